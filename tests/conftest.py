@@ -1,0 +1,25 @@
+"""Shared fixtures; tests marked `gpu` are skipped where no CUDA GPU is visible (CI)."""
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def solution():
+    """The solution module, imported once (this builds the extension)."""
+    import solution as module
+    return module
