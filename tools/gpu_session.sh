@@ -13,6 +13,6 @@ python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
 python3 check.py 2>&1 | tee "$OUT/check.log"
 python3 bench.py --paths --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 for tool in memcheck racecheck synccheck; do
-  timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
+  timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
 done
