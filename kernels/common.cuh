@@ -19,6 +19,28 @@ constexpr int kMaxClusterSize = 16;
 __device__ __forceinline__ float4 load_streaming(const float4* p) { return __ldcs(p); }
 __device__ __forceinline__ void store_streaming(float4* p, float4 v) { __stcs(p, v); }
 
+// Per-thread asynchronous 16-byte copy global -> shared (sm_80+), cached in L2
+// only; completes for the issuing thread at cp_async_wait_all().
+// Copies global_base + OFFSET bytes to shared-memory address shared_base + OFFSET
+// bytes. OFFSET is an immediate in both addresses, so a loop over offsets keeps two
+// base registers instead of a pair of addresses per copy (which spills).
+template <int OFFSET>
+__device__ __forceinline__ void cp_async_16(unsigned shared_base, const float4* global_base) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;" ::"r"(shared_base), "l"(global_base), "n"(OFFSET)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Asks the copy engine to bring `bytes` (a multiple of 16, 16-byte aligned) into
+// L2 without waiting: the next slice's loads then hit L2 (sm_90+). Inline PTX:
+// the CCCL of CUDA 13.0 has no cuda::ptx wrapper for this instruction.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+#endif
+
 // Statistics of a set of values: how many, their mean, and M2 = sum of squared
 // deviations from that mean (the biased variance is m2 / count).
 struct SliceStats {
@@ -88,29 +110,29 @@ struct BlockStatsReduce {
 // its own shared memory; after a cluster barrier every warp of every CTA reads all
 // ranks' totals (lane r reads rank r) and combines them with the same butterfly,
 // so all threads of the cluster get bit-identical statistics.
-// Returns after barrier_arrive(): other CTAs may still be reading this CTA's
-// shared memory, so the caller must call cooperative_groups::this_cluster()
-// .barrier_wait() before it exits (work placed between the two hides the wait).
+// One cluster barrier per call: the totals are double-buffered by `parity`, and a
+// buffer is rewritten two calls later, after the next call's barrier, which no CTA
+// passes before every CTA has finished this call's reads. Before exiting, a CTA
+// must pass one more cluster barrier (cluster.sync()) so that no CTA is still
+// reading its shared memory.
 template <int THREADS>
 struct ClusterStatsReduce {
   using Reduce = cub::BlockReduce<SliceStats, THREADS>;
   struct TempStorage {
     typename Reduce::TempStorage reduce;
-    SliceStats cta_total;
+    SliceStats cta_total[2];
   };
 
-  __device__ static SliceStats allreduce_arrive(SliceStats thread_stats, TempStorage& storage) {
+  __device__ static SliceStats allreduce(SliceStats thread_stats, TempStorage& storage, int parity) {
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     const SliceStats total = Reduce(storage.reduce).Reduce(thread_stats, CombineStats());
-    if (threadIdx.x == 0) storage.cta_total = total;
-    cluster.sync();  // release this CTA's total, acquire the others'
+    if (threadIdx.x == 0) storage.cta_total[parity] = total;
+    cluster.sync();  // release this CTA's total, acquire the others'; also frees storage.reduce for reuse
     const unsigned lane = threadIdx.x % kWarpSize;
     SliceStats rank_total{0.f, 0.f, 0.f};
-    if (lane < cluster.num_blocks()) rank_total = *cluster.map_shared_rank(&storage.cta_total, lane);
-    const SliceStats result = warp_allreduce(rank_total);
-    cluster.barrier_arrive();
-    return result;
+    if (lane < cluster.num_blocks()) rank_total = *cluster.map_shared_rank(&storage.cta_total[parity], lane);
+    return warp_allreduce(rank_total);
   }
 };
 #endif

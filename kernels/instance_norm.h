@@ -13,14 +13,15 @@ enum class ForwardPath : int {
   kAuto = 0,
   // One CTA per slice, any spatial size, alignment and GPU; reads the slice twice.
   kGeneric = 1,
-  // Cluster-resident (sm_90+): the slice is split over a cluster of up to 16 CTAs
-  // that hold it in registers, so HBM is read once. THREADS x values per thread
-  // per CTA, and how many such CTAs share an SM:
-  kCluster512x64 = 2,  // 512 threads x 64 fp32 = 128 KB per CTA, 1 CTA per SM
-  kCluster256x64 = 3,  // 256 threads x 64 fp32 =  64 KB per CTA, 2 CTAs per SM
-  kCluster512x32 = 4,  // 512 threads x 32 fp32 =  64 KB per CTA, 2 CTAs per SM
+  // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
+  // to 16 CTAs that hold it in registers, so HBM is read once. THREADS x values
+  // per thread per CTA, CTAs per SM, and how the next slice's read is overlapped:
+  kCluster512x64 = 2,          // 512 x 64 fp32 = 128 KB per CTA, 1 per SM, no overlap
+  kCluster256x64Prefetch = 3,  // 256 x 64 fp32 =  64 KB per CTA, 2 per SM, L2 prefetch
+  kCluster256x64Staged = 4,    // 256 x 64, 2 per SM, next slice staged in shared memory
+  kCluster512x64Staged = 5,    // 512 x 64, 1 per SM, next slice staged in shared memory
 };
-constexpr int kNumForwardPaths = 5;
+constexpr int kNumForwardPaths = 6;
 
 // The path kAuto takes for these slices on the current device: the cluster path
 // with the fewest registers per slice that fits, else kGeneric. `aligned` says

@@ -4,9 +4,11 @@
 #include "common.cuh"
 #include "instance_norm.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 namespace instance_norm {
 namespace {
@@ -45,90 +47,153 @@ __global__ void __launch_bounds__(THREADS)
   }
 }
 
-// Cluster-resident path (sm_90+): a cluster of ceil(spatial / (THREADS *
-// VALUES_PER_THREAD)) CTAs owns one slice; CTA rank r holds the contiguous chunk
-// [r, r + 1) * THREADS * VALUES_PER_THREAD of it in registers (16-byte loads,
+// How a persistent cluster CTA gets its next slice moving while it reduces and
+// writes the current one.
+enum class NextSlice {
+  kNone,        // loads it from HBM when it gets there
+  kPrefetchL2,  // thread 0 has the copy engine bring the CTA's chunk into L2
+  kStageShared, // every thread cp.async-copies its own vectors into shared memory
+};
+
+// cp.async-copies this thread's vectors i < valid (column_x[i * THREADS]) into its
+// shared-memory column (staged_column + i * THREADS * 16 bytes), then commits.
+template <int THREADS, int... I>
+__device__ __forceinline__ void stage_column(unsigned staged_column, const float4* column_x, int valid,
+                                             std::integer_sequence<int, I...>) {
+  ((I < valid ? cp_async_16<I * THREADS * 16>(staged_column, column_x) : void()), ...);
+  cp_async_commit();
+}
+
+// Cluster-resident path (sm_90+), persistent: the grid holds as many clusters of
+// ceil(spatial / (THREADS * VALUES_PER_THREAD)) CTAs as can be resident at once,
+// and cluster k normalizes slices k, k + num_clusters, ... (launching one cluster
+// per slice instead is limited by the rate at which the GPU launches clusters).
+// For each slice, CTA rank r holds the contiguous chunk
+// [r, r + 1) * THREADS * VALUES_PER_THREAD of it in registers (16-byte accesses,
 // coalesced across the CTA). Each thread takes a two-pass mean and M2 of its own
 // values; these are merged across the block with cub and across the cluster
-// through distributed shared memory (one cluster barrier), then every thread
-// normalizes its registers and writes them: HBM is read once and written once.
+// through distributed shared memory (one cluster barrier per slice), then every
+// thread normalizes its registers and writes them: HBM is read once and written
+// once. NEXT says how the next slice's read overlaps this one's reduce and write;
+// kStageShared needs THREADS * VALUES_PER_THREAD * 4 bytes of dynamic shared memory.
 // Requires spatial % 4 == 0, 16-byte aligned x and y, and spatial at most
 // kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
-template <int THREADS, int VALUES_PER_THREAD, int CTAS_PER_SM>
+template <int THREADS, int VALUES_PER_THREAD, int CTAS_PER_SM, NextSlice NEXT>
 __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
-    forward_cluster_kernel(const float* __restrict__ x, float* __restrict__ y, int spatial, float eps) {
+    forward_cluster_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t num_slices, int spatial,
+                           float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(VALUES_PER_THREAD % 4 == 0, "values are held as float4");
   constexpr int kVecs = VALUES_PER_THREAD / 4;
+  constexpr int kCtaCapacity = THREADS * VALUES_PER_THREAD;
   using Reduce = ClusterStatsReduce<THREADS>;
   __shared__ typename Reduce::TempStorage storage;
+  extern __shared__ float4 staged[];  // kStageShared: [kVecs][THREADS], each thread owns its column
 
   const cg::cluster_group cluster = cg::this_cluster();
-  const int64_t slice_offset = static_cast<int64_t>(blockIdx.x / cluster.num_blocks()) * spatial;
-  const float shift = __ldg(x + slice_offset);
-  const float4* slice_x = reinterpret_cast<const float4*>(x + slice_offset);
-  float4* slice_y = reinterpret_cast<float4*>(y + slice_offset);
+  const int cluster_size = static_cast<int>(cluster.num_blocks());
+  const int cta_start = static_cast<int>(cluster.block_rank()) * kCtaCapacity;
+  const int64_t num_clusters = gridDim.x / cluster_size;
 
-  // This thread's vectors are first + i * THREADS for i < valid.
+  // This thread's vectors of a slice are first + i * THREADS for i < valid.
   const int num_vecs = spatial / 4;
-  const int first = static_cast<int>(cluster.block_rank()) * (THREADS * kVecs) + threadIdx.x;
+  const int first = cta_start / 4 + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
+  const uint32_t chunk_bytes = 4u * static_cast<uint32_t>(max(0, min(kCtaCapacity, spatial - cta_start)));
 
-  float4 d[kVecs];
+  const unsigned staged_column = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
+  const auto stage = [&](int64_t slice) {
+    stage_column<THREADS>(staged_column, reinterpret_cast<const float4*>(x + slice * spatial) + first, valid,
+                          std::make_integer_sequence<int, kVecs>());
+  };
+
+  int64_t slice = blockIdx.x / cluster_size;
+  float shift = slice < num_slices ? __ldg(x + slice * spatial) : 0.f;
+  if (NEXT == NextSlice::kStageShared && slice < num_slices) stage(slice);
+  for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
+    const int64_t next = slice + num_clusters;
+    const float4* slice_x = reinterpret_cast<const float4*>(x + slice * spatial);
+    float4* slice_y = reinterpret_cast<float4*>(y + slice * spatial);
+
+    float4 d[kVecs];
+    if (NEXT == NextSlice::kStageShared) cp_async_wait_all();
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    d[i] = i < valid ? load_streaming(slice_x + first + i * THREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    if (i < valid) {
-      d[i] = make_float4(d[i].x - shift, d[i].y - shift, d[i].z - shift, d[i].w - shift);
-      sum += (d[i].x + d[i].y) + (d[i].z + d[i].w);
+    for (int i = 0; i < kVecs; ++i) {
+      const int v = i * THREADS + threadIdx.x;
+      if (NEXT == NextSlice::kStageShared) {
+        d[i] = i < valid ? staged[v] : make_float4(0.f, 0.f, 0.f, 0.f);
+      } else {
+        d[i] = i < valid ? load_streaming(slice_x + first + i * THREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
-  }
-  SliceStats stats{4.f * valid, 0.f, 0.f};
-  if (valid > 0) {
-    stats.mean = sum / stats.count;
+    if (NEXT == NextSlice::kPrefetchL2 && threadIdx.x == 0 && chunk_bytes > 0 && next < num_slices) {
+      prefetch_l2(x + next * spatial + cta_start, chunk_bytes);
+    }
+    const float next_shift = next < num_slices ? __ldg(x + next * spatial) : 0.f;
+
+    float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
-        const float a = d[i].x - stats.mean, b = d[i].y - stats.mean;
-        const float c = d[i].z - stats.mean, e = d[i].w - stats.mean;
-        stats.m2 += (a * a + b * b) + (c * c + e * e);
+        d[i] = make_float4(d[i].x - shift, d[i].y - shift, d[i].z - shift, d[i].w - shift);
+        sum += (d[i].x + d[i].y) + (d[i].z + d[i].w);
       }
     }
-  }
-
-  stats = Reduce::allreduce_arrive(stats, storage);
-  const float mean = stats.mean;
-  const float rstd = rsqrtf(stats.m2 / static_cast<float>(spatial) + eps);
+    // Every staged value this thread read is now in registers (the sum used them
+    // all), so its shared-memory column can take the next slice.
+    if (NEXT == NextSlice::kStageShared && next < num_slices) stage(next);
+    SliceStats stats{4.f * valid, 0.f, 0.f};
+    if (valid > 0) {
+      stats.mean = sum / stats.count;
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    if (i < valid) {
-      store_streaming(slice_y + first + i * THREADS,
-                      make_float4((d[i].x - mean) * rstd, (d[i].y - mean) * rstd,
-                                  (d[i].z - mean) * rstd, (d[i].w - mean) * rstd));
+      for (int i = 0; i < kVecs; ++i) {
+        if (i < valid) {
+          const float a = d[i].x - stats.mean, b = d[i].y - stats.mean;
+          const float c = d[i].z - stats.mean, e = d[i].w - stats.mean;
+          stats.m2 += (a * a + b * b) + (c * c + e * e);
+        }
+      }
     }
+
+    stats = Reduce::allreduce(stats, storage, parity);
+    const float mean = stats.mean;
+    const float rstd = rsqrtf(stats.m2 / static_cast<float>(spatial) + eps);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (i < valid) {
+        store_streaming(slice_y + first + i * THREADS,
+                        make_float4((d[i].x - mean) * rstd, (d[i].y - mean) * rstd, (d[i].z - mean) * rstd,
+                                    (d[i].w - mean) * rstd));
+      }
+    }
+    shift = next_shift;
   }
-  cluster.barrier_wait();  // no CTA leaves while another may still read its shared memory
+  cluster.sync();  // no CTA leaves while another may still read its shared memory
 #endif
 }
 
-using ClusterKernel = void (*)(const float*, float*, int, float);
+using ClusterKernel = void (*)(const float*, float*, int64_t, int, float);
 
 struct ClusterVariant {
   ForwardPath path;
   int threads;
   int cta_capacity;  // fp32 values one CTA holds
+  int shared_bytes;  // dynamic shared memory per CTA
   ClusterKernel kernel;
 };
 
+template <int THREADS, int VALUES, int CTAS_PER_SM, NextSlice NEXT>
+constexpr ClusterVariant cluster_variant(ForwardPath path) {
+  return {path, THREADS, THREADS * VALUES, NEXT == NextSlice::kStageShared ? THREADS * VALUES * 4 : 0,
+          forward_cluster_kernel<THREADS, VALUES, CTAS_PER_SM, NEXT>};
+}
+
 // Ordered by preference: kAuto takes the first that fits the slice and the GPU.
 constexpr ClusterVariant kClusterVariants[] = {
-    {ForwardPath::kCluster256x64, 256, 256 * 64, forward_cluster_kernel<256, 64, 2>},
-    {ForwardPath::kCluster512x32, 512, 512 * 32, forward_cluster_kernel<512, 32, 2>},
-    {ForwardPath::kCluster512x64, 512, 512 * 64, forward_cluster_kernel<512, 64, 1>},
+    cluster_variant<256, 64, 2, NextSlice::kStageShared>(ForwardPath::kCluster256x64Staged),
+    cluster_variant<512, 64, 1, NextSlice::kStageShared>(ForwardPath::kCluster512x64Staged),
+    cluster_variant<256, 64, 2, NextSlice::kPrefetchL2>(ForwardPath::kCluster256x64Prefetch),
+    cluster_variant<512, 64, 1, NextSlice::kNone>(ForwardPath::kCluster512x64),
 };
 
 const ClusterVariant* find_cluster_variant(ForwardPath path) {
@@ -151,53 +216,54 @@ cudaLaunchConfig_t cluster_launch_config(const ClusterVariant& v, unsigned num_c
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(num_ctas);
   config.blockDim = dim3(v.threads);
+  config.dynamicSmemBytes = v.shared_bytes;
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = 1;
   return config;
 }
 
-// Whether clusters of `cluster_size` CTAs of this variant can be resident on the
-// current device (not on pre-Hopper GPUs, nor where a GPC is too small, e.g. some
+// How many clusters of `cluster_size` CTAs of this variant can be resident at once
+// on the current device: 0 on pre-Hopper GPUs, or where a GPC is too small (some
 // MIG partitions). Cached per (device, variant, size): the query costs microseconds.
-bool cluster_fits(const ClusterVariant& v, int cluster_size) {
+int max_active_clusters(const ClusterVariant& v, int cluster_size) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int, int>, bool> cache;
+  static std::map<std::tuple<int, int, int>, int> cache;
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
   const auto key = std::make_tuple(device, static_cast<int>(v.path), cluster_size);
   const std::lock_guard<std::mutex> lock(mutex);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
 
-  bool fits = false;
+  int max_clusters = 0;
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
       (cluster_size <= 8 ||
-       cudaFuncSetAttribute(v.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)) {
+       cudaFuncSetAttribute(v.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
+      cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, v.shared_bytes) == cudaSuccess) {
     cudaLaunchAttribute attribute;
     const cudaLaunchConfig_t config = cluster_launch_config(v, cluster_size, cluster_size, nullptr, &attribute);
-    int max_clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&max_clusters, v.kernel, &config) == cudaSuccess && max_clusters > 0;
+    if (cudaOccupancyMaxActiveClusters(&max_clusters, v.kernel, &config) != cudaSuccess) max_clusters = 0;
   }
   cudaGetLastError();  // a failed query must not be reported by the next launch check
-  cache.emplace(key, fits);
-  return fits;
+  cache.emplace(key, max_clusters);
+  return max_clusters;
 }
 
 bool cluster_variant_supported(const ClusterVariant& v, int64_t num_slices, int64_t spatial, bool aligned) {
   const int cluster_size = cluster_size_for(v, spatial);
-  return aligned && cluster_size <= kMaxClusterSize && num_slices * cluster_size <= INT32_MAX &&
-         cluster_fits(v, cluster_size);
+  return aligned && cluster_size <= kMaxClusterSize && max_active_clusters(v, cluster_size) > 0;
 }
 
 cudaError_t launch_cluster(const ClusterVariant& v, const float* x, float* y, int64_t num_slices, int64_t spatial,
                            float eps, cudaStream_t stream) {
   const int cluster_size = cluster_size_for(v, spatial);
+  const int64_t num_clusters = std::min<int64_t>(num_slices, max_active_clusters(v, cluster_size));
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config =
-      cluster_launch_config(v, static_cast<unsigned>(num_slices * cluster_size), cluster_size, stream, &attribute);
-  return cudaLaunchKernelEx(&config, v.kernel, x, y, static_cast<int>(spatial), eps);
+      cluster_launch_config(v, static_cast<unsigned>(num_clusters * cluster_size), cluster_size, stream, &attribute);
+  return cudaLaunchKernelEx(&config, v.kernel, x, y, num_slices, static_cast<int>(spatial), eps);
 }
 
 cudaError_t launch_generic(const float* x, float* y, int64_t num_slices, int64_t spatial, float eps,

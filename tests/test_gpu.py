@@ -7,7 +7,7 @@ import torch.nn as nn
 pytestmark = pytest.mark.gpu
 
 GENERIC = 1
-CLUSTER_PATHS = (2, 3, 4)
+CLUSTER_PATHS = (2, 3, 4, 5)
 TOLERANCE = 1e-4
 
 
