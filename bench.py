@@ -76,7 +76,7 @@ def main(argv=None):
             compiled = torch.compile(eager)
             rows.append(("torch.compile(eager)", lambda: compiled(x)))
         if args.paths:
-            for path in range(1, 6):
+            for path in (1, 2):
                 if not solution._EXT.path_supported(n * c, h * w, path):
                     continue
                 if torch.allclose(solution._EXT.forward(x, model.eps, path), eager(x), atol=TOLERANCE, rtol=TOLERANCE):

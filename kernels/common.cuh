@@ -1,5 +1,6 @@
-// Device helpers shared by the InstanceNorm kernels: streaming vector access,
-// the mean/M2 statistics of a slice and their warp, block and cluster reductions.
+// Device helpers shared by the InstanceNorm kernels: streaming stores, cp.async
+// staging, the mean/M2 statistics of a slice and their warp, block and cluster
+// reductions.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -14,9 +15,8 @@ constexpr int kWarpSize = 32;
 // Hopper's largest cluster (16 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed).
 constexpr int kMaxClusterSize = 16;
 
-// Every element is read once and written once: streaming (evict-first) 16-byte
-// accesses keep the slice data from displacing reusable lines in L1 and L2.
-__device__ __forceinline__ float4 load_streaming(const float4* p) { return __ldcs(p); }
+// Every output element is written once: streaming (evict-first) 16-byte stores
+// keep it from displacing reusable lines in L2.
 __device__ __forceinline__ void store_streaming(float4* p, float4 v) { __stcs(p, v); }
 
 // Per-thread asynchronous 16-byte copy global -> shared (sm_80+), cached in L2
@@ -31,15 +31,6 @@ __device__ __forceinline__ void cp_async_16(unsigned shared_base, const float4* 
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Asks the copy engine to bring `bytes` (a multiple of 16, 16-byte aligned) into
-// L2 without waiting: the next slice's loads then hit L2 (sm_90+). Inline PTX:
-// the CCCL of CUDA 13.0 has no cuda::ptx wrapper for this instruction.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-#endif
 
 // Statistics of a set of values: how many, their mean, and M2 = sum of squared
 // deviations from that mean (the biased variance is m2 / count).

@@ -14,17 +14,15 @@ enum class ForwardPath : int {
   // One CTA per slice, any spatial size, alignment and GPU; reads the slice twice.
   kGeneric = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
-  // to 16 CTAs that hold it in registers, so HBM is read once. THREADS x values
-  // per thread per CTA, CTAs per SM, and how the next slice's read is overlapped:
-  kCluster512x64 = 2,          // 512 x 64 fp32 = 128 KB per CTA, 1 per SM, no overlap
-  kCluster256x64Prefetch = 3,  // 256 x 64 fp32 =  64 KB per CTA, 2 per SM, L2 prefetch
-  kCluster256x64Staged = 4,    // 256 x 64, 2 per SM, next slice staged in shared memory
-  kCluster512x64Staged = 5,    // 512 x 64, 1 per SM, next slice staged in shared memory
+  // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its
+  // next slice in shared memory while it normalizes the current one. Slices of up
+  // to 16 * 32,768 fp32 values, spatial % 4 == 0, 16-byte aligned data.
+  kCluster = 2,
 };
-constexpr int kNumForwardPaths = 6;
+constexpr int kNumForwardPaths = 3;
 
-// The path kAuto takes for these slices on the current device: the cluster path
-// with the fewest registers per slice that fits, else kGeneric. `aligned` says
+// The path kAuto takes for these slices on the current device: kCluster where it
+// can run them, else kGeneric. `aligned` says
 // whether x and y are 16-byte aligned and spatial is a multiple of 4.
 ForwardPath choose_forward_path(int64_t num_slices, int64_t spatial, bool aligned);
 

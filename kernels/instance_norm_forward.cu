@@ -47,14 +47,6 @@ __global__ void __launch_bounds__(THREADS)
   }
 }
 
-// How a persistent cluster CTA gets its next slice moving while it reduces and
-// writes the current one.
-enum class NextSlice {
-  kNone,        // loads it from HBM when it gets there
-  kPrefetchL2,  // thread 0 has the copy engine bring the CTA's chunk into L2
-  kStageShared, // every thread cp.async-copies its own vectors into shared memory
-};
-
 // cp.async-copies this thread's vectors i < valid (column_x[i * THREADS]) into its
 // shared-memory column (staged_column + i * THREADS * 16 bytes), then commits.
 template <int THREADS, int... I>
@@ -64,22 +56,25 @@ __device__ __forceinline__ void stage_column(unsigned staged_column, const float
   cp_async_commit();
 }
 
-// Cluster-resident path (sm_90+), persistent: the grid holds as many clusters of
+// Cluster-resident path (sm_90+), persistent. The grid holds as many clusters of
 // ceil(spatial / (THREADS * VALUES_PER_THREAD)) CTAs as can be resident at once,
-// and cluster k normalizes slices k, k + num_clusters, ... (launching one cluster
-// per slice instead is limited by the rate at which the GPU launches clusters).
-// For each slice, CTA rank r holds the contiguous chunk
-// [r, r + 1) * THREADS * VALUES_PER_THREAD of it in registers (16-byte accesses,
-// coalesced across the CTA). Each thread takes a two-pass mean and M2 of its own
-// values; these are merged across the block with cub and across the cluster
-// through distributed shared memory (one cluster barrier per slice), then every
-// thread normalizes its registers and writes them: HBM is read once and written
-// once. NEXT says how the next slice's read overlaps this one's reduce and write;
-// kStageShared needs THREADS * VALUES_PER_THREAD * 4 bytes of dynamic shared memory.
-// Requires spatial % 4 == 0, 16-byte aligned x and y, and spatial at most
-// kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
-template <int THREADS, int VALUES_PER_THREAD, int CTAS_PER_SM, NextSlice NEXT>
-__global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
+// and cluster k normalizes slices k, k + num_clusters, ... (one cluster per slice
+// is limited by the GPU's cluster launch rate: docs/perf-notes.md).
+// For each slice, CTA rank r owns the contiguous chunk
+// [r, r + 1) * THREADS * VALUES_PER_THREAD; thread t owns its vectors
+// first + i * THREADS (16-byte accesses, coalesced across the CTA).
+// Per slice: wait for this thread's staged vectors, move them from shared memory
+// to registers, start staging the next slice into the same shared memory with
+// cp.async (so its HBM read overlaps everything below), take a two-pass mean and
+// M2 of the registers, merge them across the block (cub) and the cluster (DSMEM,
+// one cluster barrier), normalize the registers and write them. HBM is read once
+// and written once. Shift: statistics are taken of x - x[slice][0], so a constant
+// slice gives exactly 0 whatever its magnitude.
+// Needs THREADS * VALUES_PER_THREAD * 4 bytes of dynamic shared memory, spatial % 4
+// == 0, 16-byte aligned x and y, and spatial at most kMaxClusterSize * THREADS *
+// VALUES_PER_THREAD (the launcher checks).
+template <int THREADS, int VALUES_PER_THREAD>
+__global__ void __launch_bounds__(THREADS, 1)
     forward_cluster_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t num_slices, int spatial,
                            float eps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -88,19 +83,16 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
   constexpr int kCtaCapacity = THREADS * VALUES_PER_THREAD;
   using Reduce = ClusterStatsReduce<THREADS>;
   __shared__ typename Reduce::TempStorage storage;
-  extern __shared__ float4 staged[];  // kStageShared: [kVecs][THREADS], each thread owns its column
+  extern __shared__ float4 staged[];  // [kVecs][THREADS]: each thread owns its column
 
   const cg::cluster_group cluster = cg::this_cluster();
   const int cluster_size = static_cast<int>(cluster.num_blocks());
-  const int cta_start = static_cast<int>(cluster.block_rank()) * kCtaCapacity;
   const int64_t num_clusters = gridDim.x / cluster_size;
 
   // This thread's vectors of a slice are first + i * THREADS for i < valid.
   const int num_vecs = spatial / 4;
-  const int first = cta_start / 4 + threadIdx.x;
+  const int first = static_cast<int>(cluster.block_rank()) * (kCtaCapacity / 4) + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
-  const uint32_t chunk_bytes = 4u * static_cast<uint32_t>(max(0, min(kCtaCapacity, spatial - cta_start)));
-
   const unsigned staged_column = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
   const auto stage = [&](int64_t slice) {
     stage_column<THREADS>(staged_column, reinterpret_cast<const float4*>(x + slice * spatial) + first, valid,
@@ -109,28 +101,17 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 
   int64_t slice = blockIdx.x / cluster_size;
   float shift = slice < num_slices ? __ldg(x + slice * spatial) : 0.f;
-  if (NEXT == NextSlice::kStageShared && slice < num_slices) stage(slice);
+  if (slice < num_slices) stage(slice);
   for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
     const int64_t next = slice + num_clusters;
-    const float4* slice_x = reinterpret_cast<const float4*>(x + slice * spatial);
-    float4* slice_y = reinterpret_cast<float4*>(y + slice * spatial);
-
-    float4 d[kVecs];
-    if (NEXT == NextSlice::kStageShared) cp_async_wait_all();
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int v = i * THREADS + threadIdx.x;
-      if (NEXT == NextSlice::kStageShared) {
-        d[i] = i < valid ? staged[v] : make_float4(0.f, 0.f, 0.f, 0.f);
-      } else {
-        d[i] = i < valid ? load_streaming(slice_x + first + i * THREADS) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-    if (NEXT == NextSlice::kPrefetchL2 && threadIdx.x == 0 && chunk_bytes > 0 && next < num_slices) {
-      prefetch_l2(x + next * spatial + cta_start, chunk_bytes);
-    }
     const float next_shift = next < num_slices ? __ldg(x + next * spatial) : 0.f;
 
+    float4 d[kVecs];
+    cp_async_wait_all();
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      d[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -139,9 +120,10 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         sum += (d[i].x + d[i].y) + (d[i].z + d[i].w);
       }
     }
-    // Every staged value this thread read is now in registers (the sum used them
-    // all), so its shared-memory column can take the next slice.
-    if (NEXT == NextSlice::kStageShared && next < num_slices) stage(next);
+    // The sum used every staged value this thread read, so they are all in
+    // registers now and its shared-memory column can take the next slice.
+    if (next < num_slices) stage(next);
+
     SliceStats stats{4.f * valid, 0.f, 0.f};
     if (valid > 0) {
       stats.mean = sum / stats.count;
@@ -154,10 +136,10 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
         }
       }
     }
-
     stats = Reduce::allreduce(stats, storage, parity);
     const float mean = stats.mean;
     const float rstd = rsqrtf(stats.m2 / static_cast<float>(spatial) + eps);
+    float4* slice_y = reinterpret_cast<float4*>(y + slice * spatial);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
@@ -177,23 +159,20 @@ using ClusterKernel = void (*)(const float*, float*, int64_t, int, float);
 struct ClusterVariant {
   ForwardPath path;
   int threads;
-  int cta_capacity;  // fp32 values one CTA holds
+  int cta_capacity;  // fp32 values one CTA holds (in registers, and staged in shared memory)
   int shared_bytes;  // dynamic shared memory per CTA
   ClusterKernel kernel;
 };
 
-template <int THREADS, int VALUES, int CTAS_PER_SM, NextSlice NEXT>
+template <int THREADS, int VALUES>
 constexpr ClusterVariant cluster_variant(ForwardPath path) {
-  return {path, THREADS, THREADS * VALUES, NEXT == NextSlice::kStageShared ? THREADS * VALUES * 4 : 0,
-          forward_cluster_kernel<THREADS, VALUES, CTAS_PER_SM, NEXT>};
+  return {path, THREADS, THREADS * VALUES, THREADS * VALUES * 4, forward_cluster_kernel<THREADS, VALUES>};
 }
 
-// Ordered by preference: kAuto takes the first that fits the slice and the GPU.
+// 512 threads x 64 fp32: 128 KB in registers plus 128 KB staged per CTA, one CTA
+// per SM; a 512 x 512 slice takes a cluster of 8 (docs/perf-notes.md compares shapes).
 constexpr ClusterVariant kClusterVariants[] = {
-    cluster_variant<256, 64, 2, NextSlice::kStageShared>(ForwardPath::kCluster256x64Staged),
-    cluster_variant<512, 64, 1, NextSlice::kStageShared>(ForwardPath::kCluster512x64Staged),
-    cluster_variant<256, 64, 2, NextSlice::kPrefetchL2>(ForwardPath::kCluster256x64Prefetch),
-    cluster_variant<512, 64, 1, NextSlice::kNone>(ForwardPath::kCluster512x64),
+    cluster_variant<512, 64>(ForwardPath::kCluster),
 };
 
 const ClusterVariant* find_cluster_variant(ForwardPath path) {

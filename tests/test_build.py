@@ -40,7 +40,7 @@ def test_kernels_do_not_spill(solution, capability, tmp_path):
     reports = re.findall(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
                          r"(\d+) bytes spill loads", result.stdout + result.stderr)
     kernels = {name for name, *_ in reports}
-    assert len(kernels) >= 4, f"expected the generic and 3 cluster kernels in ptxas -v output, got {kernels}"
+    assert len(kernels) >= 2, f"expected the generic and cluster kernels in ptxas -v output, got {kernels}"
     for name, stack, stores, loads in reports:
         assert (int(stack), int(stores), int(loads)) == (0, 0, 0), f"{name}: stack {stack}, spills {stores}/{loads}"
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 pytestmark = pytest.mark.gpu
 
 GENERIC = 1
-CLUSTER_PATHS = (2, 3, 4, 5)
+CLUSTER_PATHS = (2,)
 TOLERANCE = 1e-4
 
 
@@ -128,7 +128,7 @@ def test_unsupported_dtype_names_it(solution):
 def test_forced_path_that_cannot_run_is_refused(solution):
     x = torch.rand(1, 1, 1024, 1024, device="cuda")
     with pytest.raises(ValueError, match="cannot run"):
-        solution._EXT.forward(x, 1e-5, 3)
+        solution._EXT.forward(x, 1e-5, 2)
 
 
 def test_kernelbench_style_harness(solution):

@@ -22,7 +22,7 @@ def main():
         x = torch.randn(shape, device="cuda")
         reference = torch.nn.functional.instance_norm(x.double()).float()
         n, c = shape[:2]
-        for path in range(1, 6):
+        for path in (1, 2):
             if not solution._EXT.path_supported(n * c, x[0, 0].numel(), path):
                 continue
             ok = torch.allclose(solution._EXT.forward(x, 1e-5, path), reference, atol=1e-4, rtol=1e-4)
