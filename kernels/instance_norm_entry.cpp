@@ -9,6 +9,11 @@
 
 namespace {
 
+// Errors are raised with TORCH_CHECK (RuntimeError) and TORCH_CHECK_TYPE (TypeError):
+// on torch 2.11 with this extension built by g++ 13, any TORCH_CHECK_VALUE that
+// fires crashes the process (SIGSEGV) instead of raising ValueError (seen on the
+// H200 machine, docs/perf-notes.md). The Python front raises ValueError itself.
+
 // input: contiguous CUDA float32 tensor (N, C, *spatial) with at least 3 dims.
 // Returns a new tensor of the same shape: every (n, c) slice normalized to zero
 // mean and unit biased variance, (x - mean) / sqrt(var + eps).
@@ -16,10 +21,10 @@ namespace {
 torch::Tensor forward(const torch::Tensor& input, double eps, int64_t path) {
   TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
   TORCH_CHECK_TYPE(input.scalar_type() == at::kFloat, "input must be float32, got ", input.scalar_type());
-  TORCH_CHECK_VALUE(input.dim() >= 3, "input must have at least 3 dims (N, C, *spatial), got ", input.dim());
-  TORCH_CHECK_VALUE(input.is_contiguous(), "input must be contiguous (torch.contiguous_format)");
-  TORCH_CHECK_VALUE(eps >= 0.0, "eps must be >= 0, got ", eps);
-  TORCH_CHECK_VALUE(path >= 0 && path < instance_norm::kNumForwardPaths, "path must be in [0, ",
+  TORCH_CHECK(input.dim() >= 3, "input must have at least 3 dims (N, C, *spatial), got ", input.dim());
+  TORCH_CHECK(input.is_contiguous(), "input must be contiguous (torch.contiguous_format)");
+  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+  TORCH_CHECK(path >= 0 && path < instance_norm::kNumForwardPaths, "path must be in [0, ",
                     instance_norm::kNumForwardPaths, "), got ", path);
 
   const c10::cuda::CUDAGuard device_guard(input.device());
@@ -29,7 +34,7 @@ torch::Tensor forward(const torch::Tensor& input, double eps, int64_t path) {
   const auto forward_path = static_cast<instance_norm::ForwardPath>(path);
   // empty_like output comes from the caching allocator, aligned far beyond 16 bytes.
   const bool aligned = spatial % 4 == 0 && reinterpret_cast<uintptr_t>(input.data_ptr()) % 16 == 0;
-  TORCH_CHECK_VALUE(instance_norm::forward_path_supported(forward_path, num_slices, spatial, aligned), "path ",
+  TORCH_CHECK(instance_norm::forward_path_supported(forward_path, num_slices, spatial, aligned), "path ",
                     path, " cannot run ", num_slices, " slices of ", spatial,
                     " elements on this GPU (see kernels/instance_norm.h)");
   torch::Tensor output = torch::empty_like(input);

@@ -127,7 +127,7 @@ def test_unsupported_dtype_names_it(solution):
 
 def test_forced_path_that_cannot_run_is_refused(solution):
     x = torch.rand(1, 1, 1024, 1024, device="cuda")
-    with pytest.raises(ValueError, match="cannot run"):
+    with pytest.raises(RuntimeError, match="cannot run"):
         solution._EXT.forward(x, 1e-5, 2)
 
 
