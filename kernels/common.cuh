@@ -5,9 +5,12 @@
 
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace instance_norm {
 
@@ -15,9 +18,73 @@ constexpr int kWarpSize = 32;
 // Hopper's largest cluster (16 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed).
 constexpr int kMaxClusterSize = 16;
 
+// Storage types (float, __half, __nv_bfloat16): how many values one 16-byte vector
+// holds, and their conversion to and from the float32 all arithmetic is done in.
+template <typename T>
+struct Storage;
+
+template <>
+struct Storage<float> {
+  static constexpr int kPerVector = 4;
+  __device__ static float to_float(float v) { return v; }
+  __device__ static float from_float(float v) { return v; }
+  __device__ static void unpack(const uint4& raw, float* out) {
+    out[0] = __uint_as_float(raw.x), out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z), out[3] = __uint_as_float(raw.w);
+  }
+  __device__ static uint4 pack(const float* in) {
+    return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]),
+                      __float_as_uint(in[3]));
+  }
+};
+
+// 16-bit types: the vector is four words of two values each.
+template <typename T, typename T2, float2 (*kToFloat2)(T2), T2 (*kFromFloats)(float, float)>
+struct Storage16 {
+  static constexpr int kPerVector = 8;
+  __device__ static void unpack(const uint4& raw, float* out) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      T2 pair;
+      memcpy(&pair, &words[k], sizeof(pair));
+      const float2 f = kToFloat2(pair);
+      out[2 * k] = f.x, out[2 * k + 1] = f.y;
+    }
+  }
+  __device__ static uint4 pack(const float* in) {
+    unsigned words[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const T2 pair = kFromFloats(in[2 * k], in[2 * k + 1]);
+      memcpy(&words[k], &pair, sizeof(pair));
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+  }
+};
+
+__device__ __forceinline__ float2 half2_to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ __half2 floats_to_half2(float a, float b) { return __floats2half2_rn(a, b); }
+__device__ __forceinline__ float2 bfloat162_to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ __nv_bfloat162 floats_to_bfloat162(float a, float b) {
+  return __floats2bfloat162_rn(a, b);
+}
+
+template <>
+struct Storage<__half> : Storage16<__half, __half2, half2_to_float2, floats_to_half2> {
+  __device__ static float to_float(__half v) { return __half2float(v); }
+  __device__ static __half from_float(float v) { return __low2half(__float2half2_rn(v)); }
+};
+
+template <>
+struct Storage<__nv_bfloat16> : Storage16<__nv_bfloat16, __nv_bfloat162, bfloat162_to_float2, floats_to_bfloat162> {
+  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+
 // Every output element is written once: streaming (evict-first) 16-byte stores
 // keep it from displacing reusable lines in L2.
-__device__ __forceinline__ void store_streaming(float4* p, float4 v) { __stcs(p, v); }
+__device__ __forceinline__ void store_streaming(uint4* p, uint4 v) { __stcs(p, v); }
 
 // Per-thread asynchronous 16-byte copy global -> shared (sm_80+), cached in L2
 // only; completes for the issuing thread at cp_async_wait_all().
@@ -25,7 +92,7 @@ __device__ __forceinline__ void store_streaming(float4* p, float4 v) { __stcs(p,
 // bytes. OFFSET is an immediate in both addresses, so a loop over offsets keeps two
 // base registers instead of a pair of addresses per copy (which spills).
 template <int OFFSET>
-__device__ __forceinline__ void cp_async_16(unsigned shared_base, const float4* global_base) {
+__device__ __forceinline__ void cp_async_16(unsigned shared_base, const void* global_base) {
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;" ::"r"(shared_base), "l"(global_base), "n"(OFFSET)
                : "memory");
 }
@@ -104,7 +171,7 @@ struct BlockStatsReduce {
 // One cluster barrier per call: the totals are double-buffered by `parity`, and a
 // buffer is rewritten two calls later, after the next call's barrier, which no CTA
 // passes before every CTA has finished this call's reads. Before exiting, a CTA
-// must pass one more cluster barrier (cluster.sync()) so that no CTA is still
+// must go through one more cluster barrier (cluster.sync()) so that no CTA is still
 // reading its shared memory.
 template <int THREADS>
 struct ClusterStatsReduce {

@@ -7,8 +7,11 @@
 
 namespace instance_norm {
 
-// Forward kernel variants. kAuto lets choose_forward_path pick; the others force
-// one (tests and bench.py use them to exercise and time every path).
+// Storage dtypes of x and y; statistics and arithmetic are float32 for all.
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Forward kernel paths. kAuto lets choose_forward_path pick; the others force one
+// (tests and bench.py use them to exercise and time every path).
 enum class ForwardPath : int {
   kAuto = 0,
   // One CTA per slice, any spatial size, alignment and GPU; reads the slice twice.
@@ -16,27 +19,39 @@ enum class ForwardPath : int {
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
   // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its
   // next slice in shared memory while it normalizes the current one. Slices of up
-  // to 16 * 32,768 fp32 values, spatial % 4 == 0, 16-byte aligned data.
+  // to 16 * 32,768 values, spatial a multiple of the 16-byte vector (4 fp32 or 8
+  // fp16/bf16 values), 16-byte aligned x and y.
   kCluster = 2,
 };
 constexpr int kNumForwardPaths = 3;
 
-// The path kAuto takes for these slices on the current device: kCluster where it
-// can run them, else kGeneric. `aligned` says
-// whether x and y are 16-byte aligned and spatial is a multiple of 4.
-ForwardPath choose_forward_path(int64_t num_slices, int64_t spatial, bool aligned);
+// y[s, i] = (x[s, i] - mean_s) / sqrt(var_s + eps) * weight[c] + bias[c], c = s %
+// num_channels, for each slice s of `spatial` contiguous values; mean_s and the
+// biased var_s are taken over the slice in float32 (PyTorch's F.instance_norm
+// without running statistics).
+struct ForwardProblem {
+  const void* x;  // [num_slices, spatial] of dtype, device memory
+  void* y;        // same shape and dtype, not overlapping x; nullptr only in support queries
+  DType dtype;
+  int64_t num_slices;
+  int64_t spatial;
+  int64_t num_channels;
+  const float* weight;  // [num_channels] float32, or nullptr for 1
+  const float* bias;    // [num_channels] float32, or nullptr for 0
+  float eps;
+};
 
-// Whether `path` can run these slices on the current device (a forced path that
-// cannot is an error, not a silent switch).
-bool forward_path_supported(ForwardPath path, int64_t num_slices, int64_t spatial, bool aligned);
+// The path kAuto takes for this problem on the current device: kCluster where it
+// can run it, else kGeneric.
+ForwardPath choose_forward_path(const ForwardProblem& problem);
 
-// y[s, i] = (x[s, i] - mean_s) / sqrt(var_s + eps) for each slice s of `spatial`
-// contiguous fp32 values, mean_s and the biased var_s taken over that slice (as
-// torch.nn.functional.instance_norm without running stats or affine).
-// x, y: device pointers to num_slices * spatial floats, not overlapping.
-// Launches on `stream`; returns the first CUDA error (launch configuration
-// included), or cudaErrorInvalidValue for a path that cannot run these slices.
-cudaError_t forward_f32(const float* x, float* y, int64_t num_slices, int64_t spatial, float eps,
-                        ForwardPath path, cudaStream_t stream);
+// Whether `path` can run this problem on the current device (a forced path that
+// cannot is an error, not a silent switch). A null y counts as aligned.
+bool forward_path_supported(ForwardPath path, const ForwardProblem& problem);
+
+// Launches the forward on `stream`; returns the first CUDA error (launch
+// configuration included), or cudaErrorInvalidValue for a path that cannot run
+// this problem.
+cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_t stream);
 
 }  // namespace instance_norm

@@ -1,26 +1,57 @@
-"""CPU tests of the Python front and the C++ entry's argument checks."""
+"""CPU tests of the Python front (modules, functional, argument checks) and of
+the C++ entry's checks that fire before any CUDA call."""
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+MODULES = [("InstanceNorm1d", nn.InstanceNorm1d, (2, 3, 10)),
+           ("InstanceNorm2d", nn.InstanceNorm2d, (2, 3, 5, 7)),
+           ("InstanceNorm3d", nn.InstanceNorm3d, (2, 3, 4, 5, 6)),
+           ("ModelNew", nn.InstanceNorm2d, (2, 3, 5, 7))]
 
 
 def test_unsupported_options_raise_not_implemented(solution):
-    with pytest.raises(NotImplementedError, match="affine"):
-        solution.ModelNew(8, affine=True)
     with pytest.raises(NotImplementedError, match="track_running_stats"):
         solution.ModelNew(8, track_running_stats=True)
     x = torch.rand(2, 3, 4, 4)
-    for option in ("running_mean", "running_var", "weight", "bias"):
+    for option in ("running_mean", "running_var"):
         with pytest.raises(NotImplementedError, match=option):
             solution.instance_norm(x, **{option: torch.ones(3)})
     with pytest.raises(NotImplementedError, match="use_input_stats"):
         solution.instance_norm(x, use_input_stats=False)
 
 
-@pytest.mark.parametrize("shape", [(2, 3), (2, 3, 4, 5, 6)])
-def test_model_rejects_other_ranks_like_pytorch(solution, shape):
-    with pytest.raises(ValueError, match=f"expected 3D or 4D input \\(got {len(shape)}D input\\)"):
-        solution.ModelNew(3)(torch.rand(shape))
+@pytest.mark.parametrize("name, reference, shape", MODULES, ids=[m[0] for m in MODULES])
+@pytest.mark.parametrize("affine", [False, True])
+def test_modules_match_pytorch_on_cpu(solution, name, reference, shape, affine):
+    """CPU input runs PyTorch's op; parameters, state dict and results match PyTorch's module."""
+    torch.manual_seed(0)
+    ours, theirs = getattr(solution, name)(3, affine=affine), reference(3, affine=affine)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    if affine:
+        with torch.no_grad():
+            for module in (ours, theirs):
+                module.weight.copy_(torch.tensor([0.5, -2.0, 3.0]))
+                module.bias.copy_(torch.tensor([1.0, 0.0, -1.0]))
+    x = torch.randn(shape)
+    torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours(x[0]), theirs(x[0]))
+
+
+def test_to_casts_affine_parameters(solution):
+    model = solution.ModelNew(4, affine=True).to(dtype=torch.float16)
+    assert model.weight.dtype == torch.float16 and model.bias.dtype == torch.float16
+    assert isinstance(model.weight, nn.Parameter)
+
+
+@pytest.mark.parametrize("name, shape", [("InstanceNorm1d", (5,)), ("InstanceNorm1d", (2, 3, 4, 5)),
+                                         ("ModelNew", (2, 3)), ("ModelNew", (2, 3, 4, 5, 6)),
+                                         ("InstanceNorm3d", (2, 3, 4))])
+def test_modules_reject_other_ranks_like_pytorch(solution, name, shape):
+    dims = {"InstanceNorm1d": 1, "ModelNew": 2, "InstanceNorm3d": 3}[name]
+    with pytest.raises(ValueError, match=f"expected {dims + 1}D or {dims + 2}D input \\(got {len(shape)}D input\\)"):
+        getattr(solution, name)(3)(torch.rand(shape))
 
 
 def test_single_spatial_element_raises_value_error(solution):
@@ -28,28 +59,48 @@ def test_single_spatial_element_raises_value_error(solution):
         solution.ModelNew(3)(torch.rand(2, 3, 1, 1))
 
 
-def test_non_tensor_input_raises_type_error(solution):
+def test_non_tensor_and_integer_input_raise_type_error(solution):
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):
         solution.instance_norm([1.0, 2.0])
+    with pytest.raises(TypeError, match="floating-point.*torch.int64"):
+        solution.instance_norm(torch.ones(2, 3, 4, 4, dtype=torch.int64))
 
 
-def test_channel_mismatch_warns_like_pytorch(solution):
+def test_channel_mismatch_warns_without_affine_and_raises_with(solution):
     with pytest.warns(UserWarning, match="does not match num_features"):
         solution.ModelNew(4)(torch.rand(2, 3, 4, 4))
+    with pytest.raises(ValueError, match="to match num_features \\(4\\), but got: 3"):
+        solution.ModelNew(4, affine=True)(torch.rand(2, 3, 4, 4))
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (3, 6, 6)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cpu_input_runs_pytorch_op(solution, shape, dtype):
-    torch.manual_seed(0)
-    x = torch.randn(shape, dtype=dtype)
-    torch.testing.assert_close(solution.ModelNew(shape[-3])(x), nn.InstanceNorm2d(shape[-3])(x))
+@pytest.mark.parametrize("option", ["weight", "bias"])
+def test_wrong_weight_or_bias_names_it(solution, option):
+    x = torch.rand(2, 3, 4, 4)
+    with pytest.raises(ValueError, match=f"{option} must have C = 3 elements, got 4"):
+        solution.instance_norm(x, **{option: torch.ones(4)})
+    with pytest.raises(TypeError, match=f"{option} must be a torch.Tensor or None"):
+        solution.instance_norm(x, **{option: [1.0, 1.0, 1.0]})
+
+
+def test_functional_matches_pytorch_on_cpu(solution):
+    torch.manual_seed(1)
+    x, weight, bias = torch.randn(2, 3, 6, 6), torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(solution.instance_norm(x, weight=weight, bias=bias, eps=1e-3),
+                               F.instance_norm(x, weight=weight, bias=bias, eps=1e-3))
 
 
 def test_entry_rejects_cpu_tensor_naming_the_device(solution):
     with pytest.raises(RuntimeError, match="input must be a CUDA tensor, got a tensor on cpu"):
-        solution._EXT.forward(torch.rand(2, 3, 4, 4), 1e-5)
+        solution._EXT.forward(torch.rand(2, 3, 4, 4))
 
 
 def test_repr_matches_pytorch_fields(solution):
-    assert repr(solution.ModelNew(64)) == "ModelNew(64, eps=1e-05, momentum=0.1, affine=False, track_running_stats=False)"
+    assert repr(solution.ModelNew(64)) == ("ModelNew(64, eps=1e-05, momentum=0.1, affine=False, bias=False, "
+                                           "track_running_stats=False)")
+    assert repr(solution.InstanceNorm3d(8, affine=True)) == ("InstanceNorm3d(8, eps=1e-05, momentum=0.1, affine=True, "
+                                                             "bias=True, track_running_stats=False)")
+
+
+def test_affine_without_bias(solution):
+    model = solution.InstanceNorm2d(3, affine=True, bias=False)
+    assert model.bias is None and list(model.state_dict()) == ["weight"]

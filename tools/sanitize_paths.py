@@ -2,8 +2,9 @@
 
     compute-sanitizer --tool memcheck python tools/sanitize_paths.py
 
-Shapes cover a full 16-CTA cluster, partly filled clusters, odd sizes and a
-misaligned view. Exits 1 if any output is wrong (so a tool run also checks results)."""
+Shapes cover full and partly filled clusters, a 16-CTA cluster, odd sizes and a
+misaligned view, in float32 and bfloat16, with a per-channel weight. Exits 1 if any output is wrong (so a tool run also checks results)."""
+import itertools
 import os
 import sys
 
@@ -18,16 +19,18 @@ SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (1, 2, 724, 724)]
 def main():
     torch.manual_seed(0)
     failures = 0
-    for shape in SHAPES:
-        x = torch.randn(shape, device="cuda")
-        reference = torch.nn.functional.instance_norm(x.double()).float()
-        n, c = shape[:2]
+    for shape, dtype in itertools.product(SHAPES, (torch.float32, torch.bfloat16)):
+        x = torch.randn(shape, device="cuda").to(dtype)
+        weight = torch.randn(shape[1], device="cuda")
+        reference = torch.nn.functional.instance_norm(x.double(), weight=weight.double()).to(dtype)
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
         for path in (1, 2):
-            if not solution._EXT.path_supported(n * c, x[0, 0].numel(), path):
+            if not solution._EXT.path_supported(x, path):
                 continue
-            ok = torch.allclose(solution._EXT.forward(x, 1e-5, path), reference, atol=1e-4, rtol=1e-4)
+            out = solution._EXT.forward(x, weight=weight, path=path)
+            ok = torch.allclose(out, reference, atol=tolerance, rtol=tolerance)
             failures += not ok
-            print(f"shape {shape} path {path}: {'ok' if ok else 'WRONG'}")
+            print(f"shape {shape} {dtype} path {path}: {'ok' if ok else 'WRONG'}")
     misaligned = torch.randn(2 * 3 * 64 * 64 + 1, device="cuda")[1:].view(2, 3, 64, 64)
     ok = torch.allclose(solution.ModelNew(3)(misaligned),
                         torch.nn.functional.instance_norm(misaligned.double()).float(), atol=1e-4, rtol=1e-4)
