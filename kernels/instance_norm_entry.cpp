@@ -6,15 +6,20 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 
 #include "instance_norm.h"
 
 namespace {
 
-// Errors are raised with TORCH_CHECK (RuntimeError) and TORCH_CHECK_TYPE (TypeError):
-// on torch 2.11 with this extension built by g++ 13, any TORCH_CHECK_VALUE that
-// fires crashes the process (SIGSEGV) instead of raising ValueError (seen on the
-// H200 machine, docs/perf-notes.md). The Python front raises ValueError itself.
+// Errors are raised with TORCH_CHECK (RuntimeError) and TORCH_CHECK_TYPE (TypeError),
+// and numbers in messages go through text(): on the H200 machine (torch 2.11, this
+// extension built by g++ 13) every check that fired with an integer streamed into
+// its message, TORCH_CHECK_VALUE or TORCH_CHECK alike, crashed the process
+// (SIGSEGV), while checks whose messages held a device or dtype raised normally
+// (docs/perf-notes.md). The Python front validates first and raises ValueError.
+std::string text(int64_t value) { return std::to_string(value); }
+std::string text(double value) { return std::to_string(value); }
 
 instance_norm::DType storage_dtype(const torch::Tensor& input) {
   switch (input.scalar_type()) {
@@ -33,8 +38,8 @@ std::optional<torch::Tensor> channel_parameter(const std::optional<torch::Tensor
   if (!parameter.has_value()) return std::nullopt;
   TORCH_CHECK(parameter->device() == input.device(), name, " must be on the input's device ", input.device(),
               ", got ", parameter->device());
-  TORCH_CHECK(parameter->numel() == input.size(1), name, " must have C = ", input.size(1), " elements, got ",
-              parameter->numel());
+  TORCH_CHECK(parameter->numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
+              text(parameter->numel()));
   return parameter->to(at::kFloat).contiguous();
 }
 
@@ -55,7 +60,7 @@ instance_norm::ForwardProblem make_problem(const torch::Tensor& input, const std
 void check_input(const torch::Tensor& input) {
   TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
   storage_dtype(input);
-  TORCH_CHECK(input.dim() >= 3, "input must have at least 3 dims (N, C, *spatial), got ", input.dim());
+  TORCH_CHECK(input.dim() >= 3, "input must have at least 3 dims (N, C, *spatial), got ", text(input.dim()));
   TORCH_CHECK(input.is_contiguous(), "input must be contiguous (torch.contiguous_format)");
 }
 
@@ -68,17 +73,17 @@ void check_input(const torch::Tensor& input) {
 torch::Tensor forward(const torch::Tensor& input, const std::optional<torch::Tensor>& weight,
                       const std::optional<torch::Tensor>& bias, double eps, int64_t path) {
   check_input(input);
-  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
   TORCH_CHECK(path >= 0 && path < instance_norm::kNumForwardPaths, "path must be in [0, ",
-              instance_norm::kNumForwardPaths, "), got ", path);
+              text(instance_norm::kNumForwardPaths), "), got ", text(path));
   const c10::cuda::CUDAGuard device_guard(input.device());
   const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", input);
   const std::optional<torch::Tensor> bias_f32 = channel_parameter(bias, "bias", input);
   instance_norm::ForwardProblem problem = make_problem(input, weight_f32, bias_f32, eps);
   const auto forward_path = static_cast<instance_norm::ForwardPath>(path);
   // A null y counts as aligned: empty_like's memory comes from the caching allocator.
-  TORCH_CHECK(instance_norm::forward_path_supported(forward_path, problem), "path ", path, " cannot run ",
-              problem.num_slices, " slices of ", problem.spatial, " ", input.scalar_type(),
+  TORCH_CHECK(instance_norm::forward_path_supported(forward_path, problem), "path ", text(path), " cannot run ",
+              text(problem.num_slices), " slices of ", text(problem.spatial), " ", input.scalar_type(),
               " elements on this GPU (see kernels/instance_norm.h)");
   torch::Tensor output = torch::empty_like(input);
   problem.y = output.data_ptr();

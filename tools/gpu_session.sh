@@ -12,7 +12,7 @@ so=$(ls ~/.cache/instance_norm_cuda/*/instance_norm_*.so | head -1)
 cuobjdump -sass "$so" | grep -oE "(LDG|STG|LDL|STL|LDS|STS)[.A-Z0-9]*" | sort | uniq -c
 python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 python3 check.py 2>&1 | tee "$OUT/check.log"
-pip install -q -r requirements.txt && python bench.py --paths --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+python -m pip install -q -r requirements.txt && python bench.py --paths --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 python3 bench.py --dtype bfloat16 --paths --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_bf16.log"
 python3 bench.py --dtype float16 --no-compile --json "$OUT/bench_fp16.json" 2>&1 | tee "$OUT/bench_fp16.log"
 for tool in memcheck racecheck synccheck; do
