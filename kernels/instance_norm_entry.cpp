@@ -18,8 +18,10 @@ namespace {
 // its message, TORCH_CHECK_VALUE or TORCH_CHECK alike, crashed the process
 // (SIGSEGV), while checks whose messages held a device or dtype raised normally
 // (docs/perf-notes.md). The Python front validates first and raises ValueError.
-std::string text(int64_t value) { return std::to_string(value); }
-std::string text(double value) { return std::to_string(value); }
+template <typename Number>
+std::string text(Number value) {
+  return std::to_string(value);
+}
 
 instance_norm::DType storage_dtype(const torch::Tensor& input) {
   switch (input.scalar_type()) {
