@@ -50,11 +50,11 @@ __global__ void __launch_bounds__(THREADS) forward_generic_kernel(const ForwardP
   for (int64_t slice = blockIdx.x; slice < p.num_slices; slice += gridDim.x) {
     const T* slice_x = x + slice * p.spatial;
     T* slice_y = y + slice * p.spatial;
-    const float shift = S::to_float(slice_x[0]);
+    const float shift = S::to_float(__ldg(slice_x));
     const float2 affine = slice_affine(p, slice);
     SliceStats stats{0.f, 0.f, 0.f};
     for (int64_t i = threadIdx.x; i < p.spatial; i += THREADS) {
-      const float d = S::to_float(slice_x[i]) - shift;
+      const float d = S::to_float(__ldg(slice_x + i)) - shift;
       stats.count += 1.f;
       const float delta = d - stats.mean;
       stats.mean += delta / stats.count;
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(THREADS) forward_generic_kernel(const ForwardP
     stats = BlockStatsReduce<THREADS>::allreduce(stats, storage);
     const float scale = rsqrtf(stats.m2 / static_cast<float>(p.spatial) + p.eps) * affine.x;
     for (int64_t i = threadIdx.x; i < p.spatial; i += THREADS) {
-      slice_y[i] = S::from_float(((S::to_float(slice_x[i]) - shift) - stats.mean) * scale + affine.y);
+      slice_y[i] = S::from_float(((S::to_float(__ldg(slice_x + i)) - shift) - stats.mean) * scale + affine.y);
     }
   }
 }
@@ -142,17 +142,21 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
         for (int k = 0; k < kPer; ++k) d[i][k] = 0.f;
       }
     }
-    float sum = 0.f;
+    // kPer independent partial sums (and M2s below) keep the dependent chains short.
+    float partial[kPer] = {};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
 #pragma unroll
         for (int k = 0; k < kPer; ++k) {
           d[i][k] -= shift;
-          sum += d[i][k];
+          partial[k] += d[i][k];
         }
       }
     }
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) sum += partial[k];
     // The sum used every staged value this thread read, so they are all in
     // registers now and its shared-memory column can take the next slice.
     if (next < p.num_slices) stage(next);
@@ -161,15 +165,19 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     if (valid > 0) {
       stats.mean = sum / stats.count;
 #pragma unroll
+      for (int k = 0; k < kPer; ++k) partial[k] = 0.f;
+#pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         if (i < valid) {
 #pragma unroll
           for (int k = 0; k < kPer; ++k) {
             const float deviation = d[i][k] - stats.mean;
-            stats.m2 += deviation * deviation;
+            partial[k] += deviation * deviation;
           }
         }
       }
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) stats.m2 += partial[k];
     }
     stats = Reduce::allreduce(stats, storage, parity);
     const float mean = stats.mean;
