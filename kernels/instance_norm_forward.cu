@@ -142,21 +142,17 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
         for (int k = 0; k < kPer; ++k) d[i][k] = 0.f;
       }
     }
-    // kPer independent partial sums (and M2s below) keep the dependent chains short.
-    float partial[kPer] = {};
+    float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
 #pragma unroll
         for (int k = 0; k < kPer; ++k) {
           d[i][k] -= shift;
-          partial[k] += d[i][k];
+          sum += d[i][k];
         }
       }
     }
-    float sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) sum += partial[k];
     // The sum used every staged value this thread read, so they are all in
     // registers now and its shared-memory column can take the next slice.
     if (next < p.num_slices) stage(next);
@@ -165,19 +161,15 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     if (valid > 0) {
       stats.mean = sum / stats.count;
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) partial[k] = 0.f;
-#pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         if (i < valid) {
 #pragma unroll
           for (int k = 0; k < kPer; ++k) {
             const float deviation = d[i][k] - stats.mean;
-            partial[k] += deviation * deviation;
+            stats.m2 += deviation * deviation;
           }
         }
       }
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) stats.m2 += partial[k];
     }
     stats = Reduce::allreduce(stats, storage, parity);
     const float mean = stats.mean;
