@@ -122,11 +122,16 @@ def _write_if_changed(path, text):
         f.write(text)
 
 
-def _clear_stale_lock(build_dir):
-    """Remove a build lock left by a killed build, which would make load_inline wait forever."""
+def _clear_stale_lock(build_dir, library):
+    """Remove a build lock left by an interrupted build. Older torch versions lock
+    by the file's existence (FileBaton), so a killed build's lock makes every later
+    load_inline wait forever; torch 2.14 holds an OS lock on a file it leaves in
+    place, which is harmless. So only a lock with no built library beside it and
+    older than any build (_STALE_LOCK_SECONDS) is removed."""
     lock = os.path.join(build_dir, "lock")
-    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _STALE_LOCK_SECONDS:
-        print(f"instance_norm: removing stale build lock {lock} (older than {_STALE_LOCK_SECONDS} s)", file=sys.stderr)
+    if (os.path.exists(lock) and not os.path.exists(library)
+            and time.time() - os.path.getmtime(lock) > _STALE_LOCK_SECONDS):
+        print(f"instance_norm: removing {lock}, left by an interrupted build", file=sys.stderr)
         os.remove(lock)
 
 
@@ -138,8 +143,9 @@ def _load_extension(sources):
     os.makedirs(build_dir, exist_ok=True)
     for header in _HEADER_FILES:
         _write_if_changed(os.path.join(build_dir, header), sources[header])
-    _clear_stale_lock(build_dir)
-    if not os.path.isfile(os.path.join(build_dir, name + ".so")):
+    library = os.path.join(build_dir, name + ".so")
+    _clear_stale_lock(build_dir, library)
+    if not os.path.isfile(library):
         print(f"instance_norm: building CUDA extension {name} in {build_dir} (first use only; if it hangs, "
               f"delete {os.path.join(build_dir, 'lock')})", file=sys.stderr)
     return load_inline(

@@ -161,14 +161,18 @@ def test_bundle_refuses_to_bundle_a_bundle(bundle_path, tmp_path):
     assert result.returncode != 0 and "already a bundle" in result.stderr
 
 
-def test_stale_build_lock_is_removed_and_fresh_one_kept(solution, tmp_path):
-    lock = tmp_path / "lock"
+def test_stale_build_lock_is_removed_and_others_kept(solution, tmp_path):
+    lock, library = tmp_path / "lock", tmp_path / "ext.so"
     lock.write_text("")
-    solution._clear_stale_lock(str(tmp_path))
-    assert lock.exists()
+    solution._clear_stale_lock(str(tmp_path), str(library))
+    assert lock.exists(), "a fresh lock may belong to a build in progress"
     old = time.time() - solution._STALE_LOCK_SECONDS - 10
     os.utime(lock, (old, old))
-    solution._clear_stale_lock(str(tmp_path))
+    library.write_text("")
+    solution._clear_stale_lock(str(tmp_path), str(library))
+    assert lock.exists(), "an old lock beside a built library is torch 2.14's OS lock file"
+    library.unlink()
+    solution._clear_stale_lock(str(tmp_path), str(library))
     assert not lock.exists()
 
 
