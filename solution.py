@@ -29,10 +29,10 @@ from torch.nn import functional as F
 import torch.utils.cpp_extension
 from torch.utils.cpp_extension import load_inline
 
-_KERNEL_FILES = ("common.cuh", "instance_norm.h", "instance_norm_forward.cu", "instance_norm_entry.cpp")
 _HEADER_FILES = ("common.cuh", "instance_norm.h")
 _CUDA_FILES = ("instance_norm_forward.cu",)
 _CPP_FILES = ("instance_norm_entry.cpp",)
+_KERNEL_FILES = _HEADER_FILES + _CUDA_FILES + _CPP_FILES
 # A bundle (python solution.py --bundle PATH) sets this to {file name: source text}
 # of _KERNEL_FILES and then reads nothing from kernels/.
 _KERNEL_SOURCES = None
