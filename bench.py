@@ -1,16 +1,24 @@
-"""Time ModelNew against eager nn.InstanceNorm2d, torch.compile of it, and a
-plain device copy of the same tensor (the speed limit), in one process.
+"""Time ModelNew (this project's InstanceNorm) against eager PyTorch, torch.compile
+of it, and a plain device copy of the same tensor (the speed limit), in one process.
 
-    python bench.py [--shape N,C,H,W] [--dtype float32] [--runs 30] [--paths] [--no-compile] [--json PATH]
+    python bench.py [--shape 112,64,512,512] [--dtype float32] [--channels-last] [--paths]
+    python bench.py --suite [--dtypes float32,bfloat16]
+    python bench.py --backward [--suite]
+    common: [--runs 30] [--warmup 3] [--no-compile] [--json PATH]
 
-Input: torch.rand of the shape (default (112, 64, 512, 512), 7.5 GB in fp32) in
---dtype (default float32). Checks ModelNew against nn.InstanceNorm2d first
-(allclose at the harness tolerance: 1e-4 fp32, 1e-2 fp16/bf16) and refuses to
-report a speed for wrong output. Every timed run is preceded by a 256 MB write
-that flushes L2 and is bracketed by CUDA events; after warm-up, reports median
-and mean ms, GB/s counting one read and one write of the tensor, the time over
-the copy's, and the speedup over eager and over torch.compile. --paths also
-times every forced kernel path that can run the shape.
+Input: torch.rand of the shape ((N, C, *spatial), 1d to 3d; default the seed shape
+(112, 64, 512, 512), 7.5 GB in fp32). Each row first checks our output against
+PyTorch's nn.InstanceNorm{1,2,3}d (allclose at the harness tolerance: 1e-4 fp32,
+1e-2 fp16/bf16) and refuses to report a speed for wrong output. Every timed run
+is preceded by a 256 MB write that flushes L2 and is bracketed by CUDA events;
+after warm-up, the median of --runs is reported with the time over the copy's
+and the speedup over eager and over torch.compile.
+
+--paths also times every forced kernel path that can run the shape. --suite runs
+the shape list of issue #3 (SUITE) in each of --dtypes and prints one table.
+--backward times, instead of the forward, the backward alone (autograd.grad of a
+retained graph) and forward + backward, whose limit is 1.5x the copy (read x and
+dy, write dx) plus, for forward + backward, the forward's copy.
 """
 import argparse
 import json
@@ -19,12 +27,23 @@ import sys
 
 import torch
 
-from check import parse_shape
-
 FLUSH_BYTES = 256 * 1024 * 1024
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The harness tolerances (atol = rtol): fp32 1e-4, 16-bit types 1e-2.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+SEED_SHAPE = (112, 64, 512, 512)
+# Issue #3's real shapes: (shape, channels_last).
+SUITE = [((112, 64, 512, 512), False), ((2, 320, 128, 128), False), ((2, 1280, 16, 16), False),
+         ((4, 128, 256, 256), False), ((2, 640, 32, 32), False), ((16, 64, 256, 256), False),
+         ((1, 32, 128, 128, 128), False), ((8, 256, 56, 56), True)]
+
+
+def parse_shape(text):
+    """'N,C,L' / 'N,C,H,W' / 'N,C,D,H,W' -> tuple of ints."""
+    shape = tuple(int(v) for v in text.split(","))
+    if not 3 <= len(shape) <= 5 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected 3 to 5 positive integers N,C,*spatial, got {text!r}")
+    return shape
 
 
 def time_ms(fn, runs, warmup, flush):
@@ -41,14 +60,126 @@ def time_ms(fn, runs, warmup, flush):
     return [start.elapsed_time(end) for start, end in events]
 
 
+def make_input(shape, dtype, channels_last):
+    torch.manual_seed(0)
+    x = torch.rand(shape, device="cuda").to(dtype)
+    if channels_last:
+        order = (0, *range(2, x.dim()), 1)
+        x = x.permute(order).contiguous().permute(sorted(range(x.dim()), key=order.__getitem__))
+    return x
+
+
+def modules(solution, shape, dtype):
+    """(ours, PyTorch's) InstanceNorm of the input's rank, affine=False as in the harness."""
+    name = {3: "InstanceNorm1d", 4: "InstanceNorm2d", 5: "InstanceNorm3d"}[len(shape)]
+    return getattr(solution, name)(shape[1]).to("cuda", dtype), getattr(torch.nn, name)(shape[1]).to("cuda", dtype)
+
+
+def forward_rows(solution, x, args):
+    """[(name, fn)] timing rows of the forward, after checking ours against PyTorch's."""
+    ours, eager = modules(solution, x.shape, x.dtype)
+    tolerance = TOLERANCE[x.dtype]
+    copy_out = torch.empty_like(x)
+    with torch.no_grad():
+        if not torch.allclose(ours(x), eager(x), atol=tolerance, rtol=tolerance):
+            raise SystemExit(f"bench.py: ours differs from PyTorch on {tuple(x.shape)} {x.dtype}; no speed reported")
+    rows = [("copy_ (limit)", lambda: copy_out.copy_(x)), (f"ours (path {solution._EXT.chosen_path(x)})", lambda: ours(x)),
+            ("eager", lambda: eager(x))]
+    if not args.no_compile:
+        compiled = torch.compile(eager)
+        rows.append(("torch.compile", lambda: compiled(x)))
+    if args.paths:
+        for path in range(1, 5):
+            if not solution._EXT.path_supported(x, path):
+                continue
+            with torch.no_grad():
+                good = torch.allclose(solution._EXT.forward(x, path=path), eager(x), atol=tolerance, rtol=tolerance)
+            if not good:
+                raise SystemExit(f"bench.py: path {path} differs from PyTorch; no speed reported")
+            rows.append((f"path {path}", lambda path=path: solution._EXT.forward(x, path=path)))
+    return rows
+
+
+def backward_rows(solution, x, args):
+    """[(name, fn)] timing rows of the backward alone and forward + backward, after
+    checking our gradient against PyTorch's."""
+    ours, eager = modules(solution, x.shape, x.dtype)
+    tolerance = TOLERANCE[x.dtype]
+    dy = torch.rand_like(x) - 0.5
+    copy_out = torch.empty_like(x)
+    candidates = [("ours", ours), ("eager", eager)]
+    if not args.no_compile:
+        candidates.append(("torch.compile", torch.compile(eager)))
+    xg = x.detach().requires_grad_()
+    expected = torch.autograd.grad(eager(xg), xg, dy)[0]
+    (got,) = torch.autograd.grad(ours(xg), xg, dy)
+    scale = expected.abs().max().item()
+    if (got.float() - expected.float()).abs().max().item() > tolerance * max(scale, 1.0):
+        raise SystemExit(f"bench.py: our gradient differs from PyTorch on {tuple(x.shape)} {x.dtype}; no speed reported")
+    del got, expected
+    rows = [("copy_ (limit)", lambda: copy_out.copy_(x))]
+    for name, module in candidates:
+        y = module(xg)
+        rows.append((f"{name} backward", lambda y=y: torch.autograd.grad(y, xg, dy, retain_graph=True)))
+        rows.append((f"{name} fwd+bwd", lambda module=module: torch.autograd.grad(module(xg), xg, dy)))
+    return rows
+
+
+def bench_shape(solution, shape, dtype, channels_last, args, flush):
+    """Times one shape; returns {name: median ms} and prints a table."""
+    x = make_input(shape, dtype, channels_last)
+    rows = backward_rows(solution, x, args) if args.backward else forward_rows(solution, x, args)
+    times = {name: time_ms(fn, args.runs, args.warmup, flush) for name, fn in rows}
+    median = {name: statistics.median(t) for name, t in times.items()}
+    copy_ms = median["copy_ (limit)"]
+    layout = " channels_last" if channels_last else ""
+    print(f"\n{tuple(shape)} {str(dtype).replace('torch.', '')}{layout} ({x.numel() * x.element_size() / 1e9:.3f} GB): "
+          f"median of {args.runs} ms, x copy")
+    for name, m in median.items():
+        print(f"  {name:24s} {m:9.4f} {m / copy_ms:6.2f}x")
+    del x, rows
+    torch.cuda.empty_cache()
+    return {"shape": list(shape), "dtype": str(dtype), "channels_last": channels_last, "median_ms": median,
+            "times_ms": times}
+
+
+def summary(results, backward):
+    """One line per shape: ours against the limit, eager and compile (speedup > 1 means faster)."""
+    print("\nsummary (median ms; speedup = their time / ours)")
+    if backward:
+        print(f"{'shape':34s} {'bwd':>8s} {'bwd/floor':>9s} {'vs eager':>8s} {'vs comp':>8s} "
+              f"{'fwd+bwd':>8s} {'vs eager':>8s} {'vs comp':>8s}")
+    else:
+        print(f"{'shape':34s} {'ours':>8s} {'x copy':>7s} {'vs eager':>8s} {'vs comp':>8s}")
+    for r in results:
+        m = r["median_ms"]
+        label = f"{tuple(r['shape'])} {r['dtype'].replace('torch.', '')}{' CL' if r['channels_last'] else ''}"
+        copy_ms = m["copy_ (limit)"]
+        if backward:
+            line = (f"{label:34s} {m['ours backward']:8.4f} {m['ours backward'] / (1.5 * copy_ms):9.2f} "
+                    f"{m['eager backward'] / m['ours backward']:8.2f} ")
+            line += f"{m['torch.compile backward'] / m['ours backward']:8.2f} " if "torch.compile backward" in m else f"{'-':>8s} "
+            line += f"{m['ours fwd+bwd']:8.4f} {m['eager fwd+bwd'] / m['ours fwd+bwd']:8.2f} "
+            line += f"{m['torch.compile fwd+bwd'] / m['ours fwd+bwd']:8.2f}" if "torch.compile fwd+bwd" in m else f"{'-':>8s}"
+        else:
+            ours = next(v for k, v in m.items() if k.startswith("ours"))
+            line = f"{label:34s} {ours:8.4f} {ours / copy_ms:7.2f} {m['eager'] / ours:8.2f} "
+            line += f"{m['torch.compile'] / ours:8.2f}" if "torch.compile" in m else f"{'-':>8s}"
+        print(line)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", type=parse_shape, default=(112, 64, 512, 512), help="N,C,H,W (default 112,64,512,512)")
+    parser.add_argument("--shape", type=parse_shape, default=SEED_SHAPE, help="N,C,*spatial (default 112,64,512,512)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="input dtype (default float32)")
+    parser.add_argument("--channels-last", action="store_true", help="channels-last input")
+    parser.add_argument("--suite", action="store_true", help="time issue #3's shape list (SUITE) instead of --shape")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of --suite (default float32,bfloat16)")
+    parser.add_argument("--backward", action="store_true", help="time the backward and forward + backward")
     parser.add_argument("--runs", type=int, default=30, help="timed runs per row (default 30, at least 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="input dtype (default float32)")
-    parser.add_argument("--paths", action="store_true", help="also time every forced kernel path that can run the shape")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    parser.add_argument("--paths", action="store_true", help="also time every forced forward path that can run the shape")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     args = parser.parse_args(argv)
     if args.runs < 20:
@@ -58,62 +189,20 @@ def main(argv=None):
         return 2
     import solution  # builds the extension on first use
 
-    n, c, h, w = args.shape
-    torch.manual_seed(0)
-    x = torch.rand(args.shape, device="cuda").to(DTYPES[args.dtype])
-    tolerance = TOLERANCE[args.dtype]
-    copy_out = torch.empty_like(x)
+    if args.suite:
+        cases = [(shape, DTYPES[d], cl) for d in args.dtypes.split(",") for shape, cl in SUITE]
+    else:
+        cases = [(args.shape, DTYPES[args.dtype], args.channels_last)]
     flush = torch.empty(FLUSH_BYTES // 4, device="cuda")
-    model = solution.ModelNew(c).cuda()
-    eager = torch.nn.InstanceNorm2d(c).cuda()
-    bytes_moved = 2 * x.numel() * x.element_size()
-    chosen = solution._EXT.chosen_path(x)
-
-    with torch.no_grad():
-        if not torch.allclose(model(x), eager(x), atol=tolerance, rtol=tolerance):
-            print(f"bench.py: ModelNew output differs from nn.InstanceNorm2d (allclose {tolerance}); "
-                  "no speed reported.", file=sys.stderr)
-            return 1
-        rows = [("copy_ (limit)", lambda: copy_out.copy_(x)),
-                (f"ModelNew (path {chosen})", lambda: model(x)),
-                ("eager nn.InstanceNorm2d", lambda: eager(x))]
-        if not args.no_compile:
-            compiled = torch.compile(eager)
-            rows.append(("torch.compile(eager)", lambda: compiled(x)))
-        if args.paths:
-            for path in (1, 2):
-                if not solution._EXT.path_supported(x, path):
-                    continue
-                out = solution._EXT.forward(x, eps=model.eps, path=path)
-                if torch.allclose(out, eager(x), atol=tolerance, rtol=tolerance):
-                    rows.append((f"path {path}", lambda path=path: solution._EXT.forward(x, eps=model.eps, path=path)))
-                else:
-                    print(f"bench.py: path {path} output differs from nn.InstanceNorm2d; not timed", file=sys.stderr)
-        times = {name: time_ms(fn, args.runs, args.warmup, flush) for name, fn in rows}
-
-    median = {name: statistics.median(t) for name, t in times.items()}
-    copy_ms = median["copy_ (limit)"]
-    eager_ms = median["eager nn.InstanceNorm2d"]
-    compile_ms = median.get("torch.compile(eager)")
     gpu = torch.cuda.get_device_name()
-    print(f"bench: shape {args.shape} {args.dtype} ({x.numel() * x.element_size() / 1e9:.2f} GB), {gpu}, torch {torch.__version__}, "
-          f"{args.runs} runs after L2 flush")
-    header = f"{'':28s} {'median ms':>10s} {'mean ms':>9s} {'GB/s':>7s} {'x copy':>7s} {'vs eager':>9s} {'vs compile':>10s}"
-    print(header)
-    results = []
-    for name, t in times.items():
-        m = median[name]
-        row = {"name": name, "median_ms": m, "mean_ms": statistics.fmean(t), "gb_per_s": bytes_moved / m / 1e6,
-               "x_copy": m / copy_ms, "speedup_vs_eager": eager_ms / m,
-               "speedup_vs_compile": compile_ms / m if compile_ms else None, "times_ms": t}
-        results.append(row)
-        vs_compile = f"{row['speedup_vs_compile']:9.2f}x" if compile_ms else f"{'-':>10s}"
-        print(f"{name:28s} {m:10.3f} {row['mean_ms']:9.3f} {row['gb_per_s']:7.0f} {row['x_copy']:6.2f}x "
-              f"{row['speedup_vs_eager']:8.2f}x {vs_compile}")
+    print(f"bench: {gpu}, torch {torch.__version__}, {args.runs} runs after a {FLUSH_BYTES >> 20} MB L2 flush, "
+          f"{'backward' if args.backward else 'forward'}")
+    results = [bench_shape(solution, shape, dtype, cl, args, flush) for shape, dtype, cl in cases]
+    summary(results, args.backward)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"gpu": gpu, "torch": torch.__version__, "shape": list(args.shape), "dtype": args.dtype,
-                       "runs": args.runs, "rows": results}, f, indent=1)
+            json.dump({"gpu": gpu, "torch": torch.__version__, "runs": args.runs, "backward": args.backward,
+                       "results": results}, f, indent=1)
     return 0
 
 

@@ -10,11 +10,13 @@ defines:
 - InstanceNorm1d, InstanceNorm2d, InstanceNorm3d: drop-ins for PyTorch's.
 - instance_norm: the signature of PyTorch's F.instance_norm.
 
-Supported so far: CUDA float32, float16 and bfloat16 input, batched or unbatched,
-affine or not; statistics in float32. CPU and float64 inputs go to PyTorch's own
-op. Running statistics and backward raise NotImplementedError naming the option.
-Each (n, c) slice of up to 524,288 values (e.g. 512 x 512) is normalized on Hopper
-by a thread-block cluster that holds it in registers, so HBM is read once.
+CUDA float32, float16 and bfloat16 inputs run the kernels: batched or unbatched,
+affine or not, running statistics (training update and eval), contiguous or
+channels-last read in place, every spatial size; statistics in float32; forward
+and backward are torch.library custom ops with autograd, so torch.compile
+(fullgraph) and CUDA graphs work. CPU and float64 inputs go to PyTorch's own op.
+On Hopper, a slice of up to 524,288 values (e.g. 512 x 512) is normalized by a
+thread-block cluster that holds it in registers, so HBM is read once.
 """
 import hashlib
 import math
@@ -22,6 +24,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -29,8 +32,8 @@ from torch.nn import functional as F
 import torch.utils.cpp_extension
 from torch.utils.cpp_extension import load_inline
 
-_HEADER_FILES = ("common.cuh", "instance_norm.h")
-_CUDA_FILES = ("instance_norm_forward.cu",)
+_HEADER_FILES = ("common.cuh", "instance_norm.h", "split.h")
+_CUDA_FILES = ("instance_norm_forward.cu", "instance_norm_split.cu", "instance_norm_backward.cu")
 _CPP_FILES = ("instance_norm_entry.cpp",)
 _KERNEL_FILES = _HEADER_FILES + _CUDA_FILES + _CPP_FILES
 # A bundle (python solution.py --bundle PATH) sets this to {file name: source text}
@@ -166,12 +169,143 @@ _EXT = _load_extension(_read_sources())
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_channel_parameter(name, value, input):
-    """weight/bias: None or a floating tensor of C elements on the input's device."""
+def _channels_last_order(dim):
+    """Dim order (0, 2, ..., dim - 1, 1): the tensor is channels-last when its permute by this is contiguous."""
+    return (0, *range(2, dim), 1)
+
+
+def _readable(x):
+    """x itself where the kernels read it in place (contiguous, or channels-last:
+    torch.channels_last / channels_last_3d and the same order for 1d), else a
+    contiguous copy. The output keeps this tensor's layout."""
+    if x.is_contiguous() or x.permute(_channels_last_order(x.dim())).is_contiguous():
+        return x
+    return x.contiguous()
+
+
+def _like_layout(t, like):
+    """t with the strides of `like` (contiguous or channels-last), copying only if needed."""
+    if like.is_contiguous():
+        return t.contiguous()
+    order = _channels_last_order(like.dim())
+    if t.permute(order).is_contiguous():
+        return t
+    inverse = sorted(range(like.dim()), key=order.__getitem__)
+    return t.permute(order).contiguous().permute(inverse)
+
+
+# torch.library custom ops: the autograd, torch.compile and CUDA-graph face of the
+# kernels. Eager calls that need no gradient call _EXT directly (the op dispatch
+# costs microseconds that matter for small inputs).
+@torch.library.custom_op("instance_norm_cuda::forward", mutates_args=())
+def _forward_op(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd) of input (N, C, *spatial) in a native layout; mean and rstd float32 (N * C)."""
+    y, mean, rstd = _EXT.forward_with_stats(input, weight, bias, eps)
+    return y, mean, rstd
+
+
+@_forward_op.register_fake
+def _forward_fake(input, weight, bias, eps):
+    slices = input.shape[0] * input.shape[1]
+    return (torch.empty_like(input), input.new_empty(slices, dtype=torch.float32),
+            input.new_empty(slices, dtype=torch.float32))
+
+
+@torch.library.custom_op("instance_norm_cuda::backward", mutates_args=())
+def _backward_op(grad_output: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                 weight: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_input, grad_weight, grad_bias); grad_output in input's layout; the two
+    parameter gradients are float32 (C)."""
+    grad_input, grad_weight, grad_bias = _EXT.backward(grad_output, input, mean, rstd, weight)
+    return grad_input, grad_weight, grad_bias
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_output, input, mean, rstd, weight):
+    channels = input.shape[1]
+    return (torch.empty_like(input), input.new_empty(channels, dtype=torch.float32),
+            input.new_empty(channels, dtype=torch.float32))
+
+
+def _forward_setup_context(ctx, inputs, output):
+    input, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(input, weight, mean, rstd)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _forward_backward(ctx, grad_output, grad_mean, grad_rstd):
+    """Gradient of y only: mean and rstd are saved statistics, not differentiable outputs."""
+    input, weight, mean, rstd = ctx.saved_tensors
+    grad_input, grad_weight, grad_bias = _backward_op(_like_layout(grad_output, input), input, mean, rstd, weight)
+    return (grad_input, None if weight is None else grad_weight.to(weight.dtype),
+            None if ctx.bias_dtype is None else grad_bias.to(ctx.bias_dtype), None)
+
+
+_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+@torch.library.custom_op("instance_norm_cuda::forward_eval", mutates_args=())
+def _forward_eval_op(input: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                     weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Normalization with the running statistics (use_input_stats=False)."""
+    return _EXT.forward_eval(input, running_mean, running_var, weight, bias, eps)
+
+
+@_forward_eval_op.register_fake
+def _forward_eval_fake(input, running_mean, running_var, weight, bias, eps):
+    return torch.empty_like(input)
+
+
+def _forward_eval_setup_context(ctx, inputs, output):
+    input, running_mean, running_var, weight, bias, eps = inputs
+    ctx.save_for_backward(input, running_mean, running_var, weight)
+    ctx.eps = eps
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _forward_eval_backward(ctx, grad_output):
+    """With fixed statistics y is affine in x: grad_input = grad_output * rstd[c] * weight[c]
+    (the running buffers get no gradient, as in PyTorch)."""
+    input, running_mean, running_var, weight = ctx.saved_tensors
+    shape = (1, -1) + (1,) * (input.dim() - 2)
+    rstd = torch.rsqrt(running_var.float() + ctx.eps).view(shape)
+    scale = rstd if weight is None else rstd * weight.float().view(shape)
+    grad = grad_output.float()
+    grad_input = (grad * scale).to(input.dtype)
+    reduce_dims = [0, *range(2, input.dim())]
+    grad_weight = None
+    if weight is not None:
+        xhat = (input.float() - running_mean.float().view(shape)) * rstd
+        grad_weight = (grad * xhat).sum(reduce_dims).to(weight.dtype)
+    grad_bias = None if ctx.bias_dtype is None else grad.sum(reduce_dims).to(ctx.bias_dtype)
+    return grad_input, None, None, grad_weight, grad_bias, None
+
+
+_forward_eval_op.register_autograd(_forward_eval_backward, setup_context=_forward_eval_setup_context)
+
+
+@torch.library.custom_op("instance_norm_cuda::update_running_stats", mutates_args=("running_mean", "running_var"))
+def _update_running_stats_op(running_mean: torch.Tensor, running_var: torch.Tensor, mean: torch.Tensor,
+                             rstd: torch.Tensor, batch: int, spatial: int, momentum: float, eps: float) -> None:
+    """PyTorch's running-statistics update from the forward's per-slice mean and rstd, in place."""
+    _EXT.update_running_stats(running_mean, running_var, mean, rstd, batch, spatial, momentum, eps)
+
+
+@_update_running_stats_op.register_fake
+def _update_running_stats_fake(running_mean, running_var, mean, rstd, batch, spatial, momentum, eps):
+    return None
+
+
+def _check_channel_tensor(name, value, input):
+    """weight, bias, running_mean, running_var: None or a floating tensor of C elements on the input's device."""
     if value is None:
         return
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"instance_norm: {name} must be a torch.Tensor or None, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"instance_norm: {name} must be a floating-point tensor, got {value.dtype}")
     channels = input.shape[1]
     if value.numel() != channels:
         raise ValueError(f"instance_norm: {name} must have C = {channels} elements, got {value.numel()}")
@@ -179,77 +313,125 @@ def _check_channel_parameter(name, value, input):
         raise ValueError(f"instance_norm: {name} must be on the input's device {input.device}, got {value.device}")
 
 
+def _needs_autograd(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
                   use_input_stats=True, momentum=0.1, eps=1e-5):
-    """PyTorch's F.instance_norm on this project's kernels.
+    """PyTorch's F.instance_norm on this project's kernels, with autograd.
 
-    input: (N, C, *spatial), at least one spatial dim. Each (n, c) slice is
-    normalized by its own mean and biased variance, (x - mean) / sqrt(var + eps),
-    then scaled by weight[c] and shifted by bias[c] when given (C elements each).
-    Statistics are float32 for every dtype (formula as PyTorch's instance_norm).
-    Returns a new contiguous tensor of the input's shape and dtype; the input is
-    not modified.
+    input: (N, C, *spatial), at least one spatial dim, any strides. With
+    use_input_stats (the default) each (n, c) slice is normalized by its own mean
+    and biased variance, (x - mean) / sqrt(var + eps), computed in float32; if
+    running_mean and running_var are given (C elements each) they are then
+    updated in place as PyTorch does: running = (1 - momentum) * running +
+    momentum * (mean over n of the slices' mean, resp. unbiased variance). With
+    use_input_stats=False the slices are normalized by running_mean[c] and
+    running_var[c] (both required). The result is then scaled by weight[c] and
+    shifted by bias[c] when given. Returns a new tensor of the input's shape and
+    dtype, in its layout when that is contiguous or channels-last (other strides
+    give a contiguous result); the input is not modified.
 
-    CUDA float32, float16 and bfloat16 run the CUDA kernels; CPU and float64
-    inputs run PyTorch's F.instance_norm. Raises TypeError for a
-    non-floating input, ValueError for fewer than 3 dims, a single spatial element
-    or a weight/bias of the wrong size or device, NotImplementedError for running
-    statistics, use_input_stats=False and, when grad is enabled, inputs or
-    parameters that require grad (not supported yet).
+    CUDA float32, float16 and bfloat16 run the CUDA kernels (through torch.library
+    custom ops when autograd or torch.compile is involved); CPU and float64 inputs
+    run PyTorch's F.instance_norm. Raises TypeError for a non-floating input or
+    parameter, ValueError for fewer than 3 dims, a single spatial element with
+    use_input_stats, missing running statistics with use_input_stats=False, or a
+    weight, bias or running buffer of the wrong size or device.
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"instance_norm: input must be a torch.Tensor, got {type(input).__name__}")
     if not input.is_floating_point():
         raise TypeError(f"instance_norm: input must be a floating-point tensor, got {input.dtype}")
-    for option, value in (("running_mean", running_mean), ("running_var", running_var)):
-        if value is not None:
-            raise NotImplementedError(f"instance_norm: {option} is not supported yet (expected None)")
-    if not use_input_stats:
-        raise NotImplementedError("instance_norm: use_input_stats=False is not supported yet (expected True)")
     if input.dim() < 3:
         raise ValueError(f"instance_norm: input must have shape (N, C, *spatial), got {input.dim()} dims")
-    if math.prod(input.shape[2:]) == 1:
+    for name, value in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                        ("bias", bias)):
+        _check_channel_tensor(name, value, input)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("instance_norm: running_mean and running_var must be given together (both None, or both "
+                         "tensors of C elements)")
+    if use_input_stats and math.prod(input.shape[2:]) == 1:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size {list(input.shape)}")
-    _check_channel_parameter("weight", weight, input)
-    _check_channel_parameter("bias", bias, input)
+    if not use_input_stats and running_mean is None:
+        raise ValueError("instance_norm: use_input_stats=False needs running_mean and running_var (got None)")
     if not input.is_cuda or input.dtype not in _KERNEL_DTYPES:
-        return F.instance_norm(input, weight=weight, bias=bias, eps=eps)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
-        raise NotImplementedError("instance_norm: backward is not supported yet (an input or parameter requires "
-                                  "grad; run under torch.no_grad() or torch.inference_mode())")
-    return _EXT.forward(input.contiguous(), weight, bias, float(eps))
+        return F.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+    x = _readable(input)
+    eps = float(eps)
+    eager = not torch.compiler.is_compiling()
+    if not use_input_stats:
+        if eager and not _needs_autograd(input, weight, bias):
+            return _EXT.forward_eval(x, running_mean, running_var, weight, bias, eps)
+        return _forward_eval_op(x, running_mean, running_var, weight, bias, eps)
+    if running_mean is None:
+        if eager and not _needs_autograd(input, weight, bias):
+            return _EXT.forward(x, weight, bias, eps)
+        return _forward_op(x, weight, bias, eps)[0]
+    if eager and not _needs_autograd(input, weight, bias):
+        y, mean, rstd = _EXT.forward_with_stats(x, weight, bias, eps)
+        _EXT.update_running_stats(running_mean, running_var, mean, rstd, x.shape[0], math.prod(x.shape[2:]),
+                                  float(momentum), eps)
+        return y
+    y, mean, rstd = _forward_op(x, weight, bias, eps)
+    _update_running_stats_op(running_mean, running_var, mean.detach(), rstd.detach(), x.shape[0], math.prod(x.shape[2:]),
+                             float(momentum), eps)
+    return y
 
 
 class _InstanceNorm(nn.Module):
-    """Base of InstanceNorm1d/2d/3d: the constructor and behaviour of PyTorch's
-    _InstanceNorm (same parameters, including torch 2.14's keyword-only bias;
-    same errors and warnings), forward on this project's kernels. With
-    affine=True, weight (ones) and bias (zeros, unless bias=False) are
-    Parameters of C elements, so .to() moves and casts them. Subclasses set
-    _spatial_dims."""
+    """Base of InstanceNorm1d/2d/3d: the constructor, parameters, buffers, state
+    dict and behaviour of PyTorch's _InstanceNorm (same errors and warnings;
+    momentum=None means no running-statistics update, as in PyTorch), forward on
+    this project's kernels. With affine=True, weight (ones) and bias (zeros, unless
+    bias=False) are Parameters of C elements; with track_running_stats=True,
+    running_mean (zeros), running_var (ones) and num_batches_tracked are buffers,
+    updated in training and used in eval. .to() moves and casts them all.
+    Subclasses set _spatial_dims."""
 
+    _version = 2
     _spatial_dims = 2
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=False, track_running_stats=False,
                  device=None, dtype=None, *, bias=True):
         super().__init__()
-        if track_running_stats:
-            raise NotImplementedError(f"{type(self).__name__}: track_running_stats=True is not supported yet "
-                                      "(expected track_running_stats=False)")
+        factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps
         self.momentum = momentum
         self.affine = affine
         self.track_running_stats = track_running_stats
         if affine:
-            self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
+            self.weight = nn.Parameter(torch.ones(num_features, **factory))
             if bias:
-                self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
+                self.bias = nn.Parameter(torch.zeros(num_features, **factory))
             else:
                 self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
+            self.register_buffer("running_var", torch.ones(num_features, **factory))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def reset_running_stats(self):
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self):
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
 
     def extra_repr(self):
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
@@ -266,9 +448,11 @@ class _InstanceNorm(nn.Module):
                                  f"({self.num_features}), but got: {input.size(feature_dim)}.")
             warnings.warn(f"input's size at dim={feature_dim} does not match num_features. You can silence "
                           "this warning by not passing in num_features, which is not used because affine=False")
-        if input.dim() == unbatched:
-            return instance_norm(input.unsqueeze(0), weight=self.weight, bias=self.bias, eps=self.eps).squeeze(0)
-        return instance_norm(input, weight=self.weight, bias=self.bias, eps=self.eps)
+        x = input.unsqueeze(0) if input.dim() == unbatched else input
+        y = instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                          self.training or not self.track_running_stats,
+                          self.momentum if self.momentum is not None else 0.0, self.eps)
+        return y.squeeze(0) if input.dim() == unbatched else y
 
 
 class InstanceNorm1d(_InstanceNorm):

@@ -1,6 +1,6 @@
-// Device helpers shared by the InstanceNorm kernels: streaming stores, cp.async
-// staging, the mean/M2 statistics of a slice and their warp, block and cluster
-// reductions.
+// Helpers shared by the InstanceNorm kernels: storage-type traits, streaming
+// stores, cp.async staging, the mean/M2 statistics of a slice and their warp,
+// block and cluster reductions; on the host, dtype dispatch and cluster launches.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -11,6 +11,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include "instance_norm.h"
 
 namespace instance_norm {
 
@@ -99,6 +105,31 @@ __device__ __forceinline__ void cp_async_16(unsigned shared_base, const void* gl
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// cp.async-copies this thread's 16-byte vectors i < valid (column[i * THREADS])
+// into its shared-memory column (staged_column + i * THREADS * 16 bytes), then
+// commits: the staging of the cluster paths' next slice.
+template <int THREADS, int... I>
+__device__ __forceinline__ void stage_column(unsigned staged_column, const uint4* column, int valid,
+                                             std::integer_sequence<int, I...>) {
+  ((I < valid ? cp_async_16<I * THREADS * 16>(staged_column, column) : void()), ...);
+  cp_async_commit();
+}
+
+// n / d for 32-bit n < 2^31 and 0 < d < 2^31 by a multiply-high and a shift
+// (Granlund & Montgomery 1994; the same magic numbers as PyTorch's IntDivider), so
+// elementwise kernels can split an index per element without a hardware divide.
+struct FastDivider {
+  unsigned divisor;
+  unsigned multiplier;
+  unsigned shift;
+
+  __host__ explicit FastDivider(unsigned d) : divisor(d), multiplier(0), shift(0) {
+    while (shift < 32 && (1ull << shift) < d) ++shift;
+    multiplier = static_cast<unsigned>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
+  }
+  __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, multiplier) + n) >> shift; }
+};
+
 // Statistics of a set of values: how many, their mean, and M2 = sum of squared
 // deviations from that mean (the biased variance is m2 / count).
 struct SliceStats {
@@ -117,7 +148,9 @@ __device__ __forceinline__ SliceStats combine(const SliceStats& a, const SliceSt
   if (a.count == 0.f) return b;
   if (b.count == 0.f) return a;
   const float count = a.count + b.count;
-  const float mean = __fadd_rn(__fmul_rn(a.count, a.mean), __fmul_rn(b.count, b.mean)) / count;
+  // Equal means stay exact, so a constant slice split in parts keeps its value as mean.
+  const float mean =
+      a.mean == b.mean ? a.mean : __fadd_rn(__fmul_rn(a.count, a.mean), __fmul_rn(b.count, b.mean)) / count;
   const float delta = b.mean - a.mean;
   const float m2 = (a.m2 + b.m2) + __fmul_rn(delta, delta) * (__fmul_rn(a.count, b.count) / count);
   return {count, mean, m2};
@@ -129,70 +162,179 @@ struct CombineStats {
   }
 };
 
-// All 32 lanes of the warp end with the combination of all lanes' statistics.
-__device__ __forceinline__ SliceStats warp_allreduce(SliceStats s) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-    const SliceStats other{__shfl_xor_sync(0xffffffffu, s.count, offset),
-                           __shfl_xor_sync(0xffffffffu, s.mean, offset),
-                           __shfl_xor_sync(0xffffffffu, s.m2, offset)};
-    s = combine(s, other);
+struct Sum {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// Sums of two values per slice (the backward's sum(dy) and sum(dy * xhat)). Float
+// addition is commutative bit for bit, so the butterflies below stay symmetric.
+struct SumFloat2 {
+  __device__ __forceinline__ float2 operator()(const float2& a, const float2& b) const {
+    return make_float2(a.x + b.x, a.y + b.y);
   }
-  return s;
+};
+
+// __shfl_xor_sync of a struct of 32-bit words.
+template <typename V>
+__device__ __forceinline__ V shfl_xor(const V& value, int offset) {
+  static_assert(sizeof(V) % 4 == 0, "shuffled as 32-bit words");
+  constexpr int kWords = sizeof(V) / 4;
+  unsigned words[kWords];
+  memcpy(words, &value, sizeof(V));
+#pragma unroll
+  for (int k = 0; k < kWords; ++k) words[k] = __shfl_xor_sync(0xffffffffu, words[k], offset);
+  V out;
+  memcpy(&out, words, sizeof(V));
+  return out;
 }
 
-// Block-wide reduction of SliceStats whose result every thread of the block gets.
-// Uses cub::BlockReduce; `result` then carries thread 0's total to the others.
-// Contains __syncthreads: every thread of the block must call it.
-template <int THREADS>
-struct BlockStatsReduce {
-  using Reduce = cub::BlockReduce<SliceStats, THREADS>;
+// All 32 lanes of the warp end with the combination (by the commutative Op) of all
+// lanes' values; with a symmetric Op every lane gets the same bits.
+template <typename V, typename Op>
+__device__ __forceinline__ V warp_allreduce(V value, Op op) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) value = op(value, shfl_xor(value, offset));
+  return value;
+}
+
+// Block-wide reduction (cub::BlockReduce) whose result every thread of the block
+// gets; `result` carries thread 0's total to the others. Contains __syncthreads:
+// every thread of the block must call it.
+template <typename V, int THREADS, typename Op>
+struct BlockAllReduce {
+  using Reduce = cub::BlockReduce<V, THREADS>;
   struct TempStorage {
     typename Reduce::TempStorage reduce;
-    SliceStats result;
+    V result;
   };
 
-  __device__ static SliceStats allreduce(SliceStats thread_stats, TempStorage& storage) {
-    const SliceStats total = Reduce(storage.reduce).Reduce(thread_stats, CombineStats());
+  __device__ static V allreduce(V thread_value, TempStorage& storage) {
+    const V total = Reduce(storage.reduce).Reduce(thread_value, Op());
     if (threadIdx.x == 0) storage.result = total;
     __syncthreads();
-    const SliceStats result = storage.result;
+    const V result = storage.result;
     __syncthreads();  // storage may be reused by the caller's next reduction
     return result;
   }
 };
 
+template <int THREADS>
+using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Cluster-wide reduction through distributed shared memory (Hopper, sm_90+).
+// Cluster-wide reduction through distributed shared memory (Hopper, sm_90+), used
+// by forward (SliceStats) and backward (sums) alike.
 // Each CTA reduces its threads with cub::BlockReduce and publishes the total in
 // its own shared memory; after a cluster barrier every warp of every CTA reads all
 // ranks' totals (lane r reads rank r) and combines them with the same butterfly,
-// so all threads of the cluster get bit-identical statistics.
+// so all threads of the cluster get bit-identical results.
 // One cluster barrier per call: the totals are double-buffered by `parity`, and a
 // buffer is rewritten two calls later, after the next call's barrier, which no CTA
 // passes before every CTA has finished this call's reads. Before exiting, a CTA
 // must go through one more cluster barrier (cluster.sync()) so that no CTA is still
 // reading its shared memory.
-template <int THREADS>
-struct ClusterStatsReduce {
-  using Reduce = cub::BlockReduce<SliceStats, THREADS>;
+template <typename V, int THREADS, typename Op>
+struct ClusterAllReduce {
+  using Reduce = cub::BlockReduce<V, THREADS>;
   struct TempStorage {
     typename Reduce::TempStorage reduce;
-    SliceStats cta_total[2];
+    V cta_total[2];
   };
 
-  __device__ static SliceStats allreduce(SliceStats thread_stats, TempStorage& storage, int parity) {
+  __device__ static V allreduce(V thread_value, TempStorage& storage, int parity) {
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
-    const SliceStats total = Reduce(storage.reduce).Reduce(thread_stats, CombineStats());
+    const V total = Reduce(storage.reduce).Reduce(thread_value, Op());
     if (threadIdx.x == 0) storage.cta_total[parity] = total;
     cluster.sync();  // release this CTA's total, acquire the others'; also frees storage.reduce for reuse
     const unsigned lane = threadIdx.x % kWarpSize;
-    SliceStats rank_total{0.f, 0.f, 0.f};
+    V rank_total{};
     if (lane < cluster.num_blocks()) rank_total = *cluster.map_shared_rank(&storage.cta_total[parity], lane);
-    return warp_allreduce(rank_total);
+    return warp_allreduce(rank_total, Op());
   }
 };
+
+template <int THREADS>
+using ClusterStatsReduce = ClusterAllReduce<SliceStats, THREADS, CombineStats>;
 #endif
+
+// ---- host helpers ----
+
+// Calls f(T{}) with T the storage type of `dtype`.
+template <typename F>
+cudaError_t dispatch_dtype(DType dtype, F f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(float{});
+    case DType::kFloat16: return f(__half{});
+    case DType::kBFloat16: return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// A grid-stride kernel's CTA count: enough to cover `work` items of `per_cta` each,
+// capped at a launch-legal count that still fills any GPU many times over.
+inline unsigned grid_for(int64_t work, int64_t per_cta) {
+  const int64_t ctas = (work + per_cta - 1) / per_cta;
+  return static_cast<unsigned>(ctas < (1 << 20) ? ctas : (1 << 20));
+}
+
+inline int element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+// Values of `dtype` per 16-byte vector: 4 fp32 or 8 fp16/bf16.
+inline int values_per_vector(DType dtype) { return 16 / element_bytes(dtype); }
+
+// Whether p is 16-byte aligned; nullptr counts as aligned (support queries made
+// before the output exists; the caching allocator's blocks are aligned).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Launch configuration of `num_ctas` CTAs of `threads` threads in clusters of
+// `cluster_size` along x, with `shared_bytes` of dynamic shared memory.
+// `attribute` must outlive the launch call.
+inline cudaLaunchConfig_t cluster_launch_config(unsigned num_ctas, int threads, int shared_bytes, int cluster_size,
+                                                cudaStream_t stream, cudaLaunchAttribute* attribute) {
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = cluster_size;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(num_ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// How many clusters of `cluster_size` CTAs of `kernel` (threads, dynamic shared
+// bytes) can be resident at once on the current device: 0 on pre-Hopper GPUs, or
+// where a GPC is too small (some MIG partitions). Sets the kernel's non-portable
+// cluster size and shared-memory attributes the launch needs. Cached per (device,
+// kernel, cluster size): the query costs microseconds.
+inline int max_active_clusters(const void* kernel, int threads, int shared_bytes, int cluster_size) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int>, int> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const auto key = std::make_tuple(device, kernel, cluster_size);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+
+  int max_clusters = 0;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
+      (cluster_size <= 8 ||
+       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) == cudaSuccess) {
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config =
+        cluster_launch_config(cluster_size, threads, shared_bytes, cluster_size, nullptr, &attribute);
+    if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config) != cudaSuccess) max_clusters = 0;
+  }
+  cudaGetLastError();  // a failed query must not be reported by the next launch check
+  cache.emplace(key, max_clusters);
+  return max_clusters;
+}
 
 }  // namespace instance_norm

@@ -1,57 +1,146 @@
 // Host API of the InstanceNorm CUDA kernels (pure CUDA C++, no PyTorch types).
+// Forward: instance_norm_forward.cu (contiguous) and instance_norm_channels_last.cu;
+// backward: instance_norm_backward.cu.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace instance_norm {
 
-// Storage dtypes of x and y; statistics and arithmetic are float32 for all.
+// Storage dtypes of x, y, dy and dx; statistics and arithmetic are float32 for all.
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Memory layout of an (N, C, *spatial) tensor with S = prod(spatial) values per
+// (n, c) slice. Element (n, c, s) is at
+//   kContiguous:   (n * C + c) * S + s   (torch.contiguous_format), or
+//   kChannelsLast: (n * S + s) * C + c   (torch.channels_last / channels_last_3d and
+//                                         the same order for 1d).
+enum class Layout : int { kContiguous = 0, kChannelsLast = 1 };
 
 // Forward kernel paths. kAuto lets choose_forward_path pick; the others force one
 // (tests and bench.py use them to exercise and time every path).
 enum class ForwardPath : int {
   kAuto = 0,
-  // One CTA per slice, any spatial size, alignment and GPU; reads the slice twice.
+  // One CTA per slice, contiguous, any spatial size, alignment and GPU; reads the
+  // slice twice (the second sweep hits L2 for slices up to a few hundred KB).
   kGeneric = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
   // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its
-  // next slice in shared memory while it normalizes the current one. Slices of up
-  // to 16 * 32,768 values, spatial a multiple of the 16-byte vector (4 fp32 or 8
-  // fp16/bf16 values), 16-byte aligned x and y.
+  // next slice in shared memory while it normalizes the current one. Contiguous,
+  // slices of up to 16 * 32,768 values, spatial a multiple of the 16-byte vector (4
+  // fp32 or 8 fp16/bf16 values), 16-byte aligned x and y.
   kCluster = 2,
+  // One warp per slice, many slices per CTA, the slice held in registers (read
+  // once). Contiguous, spatial <= kWarpMaxSpatial, any alignment and GPU.
+  kWarp = 3,
+  // Several CTAs per slice, any layout, size, alignment and GPU: partial statistics
+  // per chunk, a tiny kernel that combines them per slice, then a normalize sweep
+  // (two reads of x). Needs forward_workspace_bytes() of workspace.
+  kSplit = 4,
 };
-constexpr int kNumForwardPaths = 3;
+constexpr int kNumForwardPaths = 5;
+constexpr int64_t kWarpMaxSpatial = 1024;
 
-// y[s, i] = (x[s, i] - mean_s) / sqrt(var_s + eps) * weight[c] + bias[c], c = s %
-// num_channels, for each slice s of `spatial` contiguous values; mean_s and the
-// biased var_s are taken over the slice in float32 (PyTorch's F.instance_norm
-// without running statistics).
+// y[n, c, s] = (x[n, c, s] - mean) * rstd * weight[c] + bias[c], rstd = 1 / sqrt(var + eps),
+// where mean and the biased var are those of the slice (n, c) taken in float32
+// (PyTorch's F.instance_norm with use_input_stats=True), or, when running_mean is
+// given, running_mean[c] and running_var[c] (use_input_stats=False).
 struct ForwardProblem {
-  const void* x;  // [num_slices, spatial] of dtype, device memory
-  void* y;        // same shape and dtype, not overlapping x; nullptr only in support queries
+  const void* x;  // (batch, num_channels, spatial) of dtype in `layout`, device memory
+  void* y;        // same shape, dtype and layout, not overlapping x; nullptr only in support queries
   DType dtype;
-  int64_t num_slices;
-  int64_t spatial;
+  Layout layout;
+  int64_t batch;
   int64_t num_channels;
+  int64_t spatial;
   const float* weight;  // [num_channels] float32, or nullptr for 1
   const float* bias;    // [num_channels] float32, or nullptr for 0
   float eps;
+  // Optional outputs, [batch * num_channels] float32 or nullptr: each slice's mean
+  // and rstd (saved for backward and for the running statistics). Written only
+  // when the slice's own statistics are used (running_mean == nullptr).
+  float* mean;
+  float* rstd;
+  // use_input_stats=False: [num_channels] float32 statistics to normalize with, or
+  // nullptr for the slices' own. With them every path runs the same elementwise
+  // normalize sweep.
+  const float* running_mean;
+  const float* running_var;
+  // forward_workspace_bytes(problem, path) bytes of device memory, 16-byte aligned.
+  void* workspace;
+
+  __host__ __device__ int64_t num_slices() const { return batch * num_channels; }
 };
 
-// The path kAuto takes for this problem on the current device: kCluster where it
-// can run it, else kGeneric.
+// The path kAuto takes for this problem on the current device.
 ForwardPath choose_forward_path(const ForwardProblem& problem);
 
 // Whether `path` can run this problem on the current device (a forced path that
 // cannot is an error, not a silent switch). A null y counts as aligned.
 bool forward_path_supported(ForwardPath path, const ForwardProblem& problem);
 
+// Bytes of workspace forward(problem, path, ...) needs (0 for most paths).
+size_t forward_workspace_bytes(const ForwardProblem& problem, ForwardPath path);
+
 // Launches the forward on `stream`; returns the first CUDA error (launch
 // configuration included), or cudaErrorInvalidValue for a path that cannot run
 // this problem.
 cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_t stream);
+
+// PyTorch's running-statistics update of instance norm in training (batch_norm on
+// the (1, N * C, *spatial) view, then the mean over n of the blended buffers):
+//   running_mean[c] = (1 - momentum) * running_mean[c] + momentum * mean_n(mean[n, c])
+//   running_var[c]  = (1 - momentum) * running_var[c]
+//                     + momentum * mean_n(var[n, c] * spatial / (spatial - 1)),
+// with var[n, c] = 1 / rstd[n, c]^2 - eps recovered from forward's outputs.
+// running_mean, running_var: [channels] float32, updated in place; mean, rstd:
+// [batch * channels] float32; spatial > 1.
+cudaError_t update_running_stats(float* running_mean, float* running_var, const float* mean, const float* rstd,
+                                 int64_t batch, int64_t channels, int64_t spatial, float momentum, float eps,
+                                 cudaStream_t stream);
+
+// Backward kernel paths, as ForwardPath.
+enum class BackwardPath : int {
+  kAuto = 0,
+  // Any layout, size, alignment and GPU.
+  kGeneric = 1,
+  // Cluster-resident (sm_90+): x and dy of a slice held on chip, read once.
+  kCluster = 2,
+};
+constexpr int kNumBackwardPaths = 3;
+
+// Gradient of the forward with the slice's own statistics (use_input_stats=True),
+// per slice with xhat = (x - mean) * rstd and w = weight[c] (1 without weight):
+//   dx = rstd * w * (dy - sum(dy) / S - xhat * sum(dy * xhat) / S)
+// and the per-slice sums sum(dy) and sum(dy * xhat), from which the caller forms
+// dbias[c] = sum_n sum(dy) and dweight[c] = sum_n sum(dy * xhat) (deterministic, no
+// atomics). Every sum is in float32.
+struct BackwardProblem {
+  const void* x;   // forward's input: (batch, num_channels, spatial) of dtype in `layout`
+  const void* dy;  // gradient of y, same shape, dtype and layout
+  void* dx;        // gradient of x, same shape, dtype and layout; nullptr only in support queries
+  DType dtype;
+  Layout layout;
+  int64_t batch;
+  int64_t num_channels;
+  int64_t spatial;
+  const float* mean;    // [batch * num_channels] from forward
+  const float* rstd;    // [batch * num_channels] from forward
+  const float* weight;  // [num_channels] float32, or nullptr for 1
+  float* sum_dy;        // [batch * num_channels] out
+  float* sum_dy_xhat;   // [batch * num_channels] out
+  // backward_workspace_bytes(problem, path) bytes of device memory, 16-byte aligned.
+  void* workspace;
+
+  __host__ __device__ int64_t num_slices() const { return batch * num_channels; }
+};
+
+BackwardPath choose_backward_path(const BackwardProblem& problem);
+bool backward_path_supported(BackwardPath path, const BackwardProblem& problem);
+size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath path);
+cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStream_t stream);
 
 }  // namespace instance_norm

@@ -1,36 +1,82 @@
 // InstanceNorm forward on contiguous (num_slices, spatial) data of float32,
-// float16 or bfloat16: the cluster-resident single-read kernel, the generic
-// kernel, and the one place that chooses between them.
+// float16 or bfloat16: the warp-per-slice, generic and cluster-resident kernels,
+// and the one place that chooses a path (the split path and the eval-mode sweep
+// are in instance_norm_split.cu).
 #include "common.cuh"
 #include "instance_norm.h"
+#include "split.h"
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <utility>
 
 namespace instance_norm {
-namespace {
+// load_inline compiles all .cu sources as one translation unit: each file keeps
+// its internals in its own namespace.
+namespace forward_detail {
 
 namespace cg = cooperative_groups;
-
-// Calls f(T{}) with T the storage type of `dtype`.
-template <typename F>
-cudaError_t dispatch_dtype(DType dtype, F f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-  }
-  return cudaErrorInvalidValue;
-}
 
 // Per-channel affine of slice `slice`: y = (x - mean) * rstd * weight + bias.
 __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
   const int64_t channel = slice % p.num_channels;
   return make_float2(p.weight != nullptr ? __ldg(p.weight + channel) : 1.f,
                      p.bias != nullptr ? __ldg(p.bias + channel) : 0.f);
+}
+
+// The slice's mean (shift + mean of the shifted values) and rstd, to the optional
+// outputs; called by one thread per slice.
+__device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_t slice, float mean, float rstd) {
+  if (p.mean != nullptr) p.mean[slice] = mean;
+  if (p.rstd != nullptr) p.rstd[slice] = rstd;
+}
+
+// Warp path: one warp per slice of at most 32 * VALUES values, many slices per CTA
+// (grid-stride over slices), any alignment and GPU. Lane l holds elements l + 32 k in
+// registers (each load instruction of the warp reads consecutive elements), so the
+// slice is read once; the mean and then the centered M2 are summed with xor
+// butterflies, which leave every lane with the same bits. Shifted by the slice's
+// first element, as the other paths.
+constexpr int kWarpThreads = 256;
+
+template <typename T, int VALUES>
+__global__ void __launch_bounds__(kWarpThreads) forward_warp_kernel(const ForwardProblem p) {
+  using S = Storage<T>;
+  constexpr int kWarps = kWarpThreads / kWarpSize;
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const int lane = threadIdx.x % kWarpSize;
+  const int spatial = static_cast<int>(p.spatial);
+  const int64_t num_slices = p.num_slices();
+  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; slice < num_slices;
+       slice += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const T* slice_x = x + slice * spatial;
+    const float shift = S::to_float(__ldg(slice_x));
+    float d[VALUES];
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < VALUES; ++k) {
+      const int i = lane + k * kWarpSize;
+      d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) - shift : 0.f;
+      sum += d[k];
+    }
+    const float mean = warp_allreduce(sum, Sum()) / static_cast<float>(spatial);
+    float m2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < VALUES; ++k) {
+      const float deviation = lane + k * kWarpSize < spatial ? d[k] - mean : 0.f;
+      m2 += deviation * deviation;
+    }
+    const float rstd = rsqrtf(warp_allreduce(m2, Sum()) / static_cast<float>(spatial) + p.eps);
+    if (lane == 0) save_slice_stats(p, slice, shift + mean, rstd);
+    const float2 affine = slice_affine(p, slice);
+    const float scale = rstd * affine.x;
+    T* slice_y = y + slice * spatial;
+#pragma unroll
+    for (int k = 0; k < VALUES; ++k) {
+      const int i = lane + k * kWarpSize;
+      if (i < spatial) slice_y[i] = S::from_float((d[k] - mean) * scale + affine.y);
+    }
+  }
 }
 
 // Generic path: one CTA per slice (grid-stride over slices), any spatial size,
@@ -47,7 +93,8 @@ __global__ void __launch_bounds__(THREADS) forward_generic_kernel(const ForwardP
   __shared__ typename BlockStatsReduce<THREADS>::TempStorage storage;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  for (int64_t slice = blockIdx.x; slice < p.num_slices; slice += gridDim.x) {
+  const int64_t num_slices = p.num_slices();
+  for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
     const T* slice_x = x + slice * p.spatial;
     T* slice_y = y + slice * p.spatial;
     const float shift = S::to_float(__ldg(slice_x));
@@ -61,20 +108,13 @@ __global__ void __launch_bounds__(THREADS) forward_generic_kernel(const ForwardP
       stats.m2 += delta * (d - stats.mean);
     }
     stats = BlockStatsReduce<THREADS>::allreduce(stats, storage);
-    const float scale = rsqrtf(stats.m2 / static_cast<float>(p.spatial) + p.eps) * affine.x;
+    const float rstd = rsqrtf(stats.m2 / static_cast<float>(p.spatial) + p.eps);
+    if (threadIdx.x == 0) save_slice_stats(p, slice, shift + stats.mean, rstd);
+    const float scale = rstd * affine.x;
     for (int64_t i = threadIdx.x; i < p.spatial; i += THREADS) {
       slice_y[i] = S::from_float(((S::to_float(__ldg(slice_x + i)) - shift) - stats.mean) * scale + affine.y);
     }
   }
-}
-
-// cp.async-copies this thread's vectors i < valid (column_x[i * THREADS]) into its
-// shared-memory column (staged_column + i * THREADS * 16 bytes), then commits.
-template <int THREADS, int... I>
-__device__ __forceinline__ void stage_column(unsigned staged_column, const uint4* column_x, int valid,
-                                             std::integer_sequence<int, I...>) {
-  ((I < valid ? cp_async_16<I * THREADS * 16>(staged_column, column_x) : void()), ...);
-  cp_async_commit();
 }
 
 // Cluster-resident path (sm_90+), persistent. The grid holds as many clusters of
@@ -112,6 +152,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
   const cg::cluster_group cluster = cg::this_cluster();
   const int cluster_size = static_cast<int>(cluster.num_blocks());
   const int64_t num_clusters = gridDim.x / cluster_size;
+  const int64_t num_slices = p.num_slices();
 
   // This thread's vectors of a slice are first + i * THREADS for i < valid.
   const int num_vecs = spatial / kPer;
@@ -124,11 +165,11 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
   };
 
   int64_t slice = blockIdx.x / cluster_size;
-  float shift = slice < p.num_slices ? S::to_float(x[slice * spatial]) : 0.f;
-  if (slice < p.num_slices) stage(slice);
-  for (int parity = 0; slice < p.num_slices; slice += num_clusters, parity ^= 1) {
+  float shift = slice < num_slices ? S::to_float(x[slice * spatial]) : 0.f;
+  if (slice < num_slices) stage(slice);
+  for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
     const int64_t next = slice + num_clusters;
-    const float next_shift = next < p.num_slices ? S::to_float(x[next * spatial]) : 0.f;
+    const float next_shift = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const float2 affine = slice_affine(p, slice);
 
     float d[kVecs][kPer];
@@ -155,7 +196,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     }
     // The sum used every staged value this thread read, so they are all in
     // registers now and its shared-memory column can take the next slice.
-    if (next < p.num_slices) stage(next);
+    if (next < num_slices) stage(next);
 
     SliceStats stats{static_cast<float>(kPer * valid), 0.f, 0.f};
     if (valid > 0) {
@@ -173,7 +214,8 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     }
     stats = Reduce::allreduce(stats, storage, parity);
     const float mean = stats.mean;
-    const float scale = rsqrtf(stats.m2 / static_cast<float>(spatial) + p.eps) * affine.x;
+    const float rstd = rsqrtf(stats.m2 / static_cast<float>(spatial) + p.eps);
+    const float scale = rstd * affine.x;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -184,6 +226,8 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
         store_streaming(slice_y + first + i * THREADS, S::pack(out));
       }
     }
+    // After the stores, where the values' registers are free (saving earlier spills).
+    if (threadIdx.x == 0 && cluster.block_rank() == 0) save_slice_stats(p, slice, shift + mean, rstd);
     shift = next_shift;
   }
   cluster.sync();  // no CTA leaves while another may still read its shared memory
@@ -222,107 +266,103 @@ const ClusterVariant& cluster_variant_for(DType dtype) {
   return kClusterVariants[0];  // unreachable: every DType has a variant
 }
 
-int element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
 bool vector_aligned(const ForwardProblem& p) {
-  const int per_vector = 16 / element_bytes(p.dtype);
-  return p.spatial % per_vector == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(p.y) % 16 == 0;
+  return p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y);
 }
 
 int cluster_size_for(const ClusterVariant& v, int64_t spatial) {
   return static_cast<int>((spatial + v.cta_capacity - 1) / v.cta_capacity);
 }
 
-cudaLaunchConfig_t cluster_launch_config(const ClusterVariant& v, unsigned num_ctas, int cluster_size,
-                                         cudaStream_t stream, cudaLaunchAttribute* attribute) {
-  attribute->id = cudaLaunchAttributeClusterDimension;
-  attribute->val.clusterDim.x = cluster_size;
-  attribute->val.clusterDim.y = 1;
-  attribute->val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(num_ctas);
-  config.blockDim = dim3(v.threads);
-  config.dynamicSmemBytes = v.shared_bytes;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return config;
-}
-
-// How many clusters of `cluster_size` CTAs of this variant can be resident at once
-// on the current device: 0 on pre-Hopper GPUs, or where a GPC is too small (some
-// MIG partitions). Cached per (device, dtype, size): the query costs microseconds.
-int max_active_clusters(const ClusterVariant& v, int cluster_size) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, int>, int> cache;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const auto key = std::make_tuple(device, static_cast<int>(v.dtype), cluster_size);
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-
-  int max_clusters = 0;
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
-      (cluster_size <= 8 ||
-       cudaFuncSetAttribute(v.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
-      cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, v.shared_bytes) == cudaSuccess) {
-    cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config = cluster_launch_config(v, cluster_size, cluster_size, nullptr, &attribute);
-    if (cudaOccupancyMaxActiveClusters(&max_clusters, v.kernel, &config) != cudaSuccess) max_clusters = 0;
-  }
-  cudaGetLastError();  // a failed query must not be reported by the next launch check
-  cache.emplace(key, max_clusters);
-  return max_clusters;
-}
-
 bool cluster_supported(const ForwardProblem& p) {
   const ClusterVariant& v = cluster_variant_for(p.dtype);
   const int cluster_size = cluster_size_for(v, p.spatial);
-  return vector_aligned(p) && cluster_size <= kMaxClusterSize && max_active_clusters(v, cluster_size) > 0;
+  return p.layout == Layout::kContiguous && vector_aligned(p) && cluster_size <= kMaxClusterSize &&
+         max_active_clusters(reinterpret_cast<const void*>(v.kernel), v.threads, v.shared_bytes, cluster_size) > 0;
 }
 
 cudaError_t launch_cluster(const ForwardProblem& p, cudaStream_t stream) {
   const ClusterVariant& v = cluster_variant_for(p.dtype);
   const int cluster_size = cluster_size_for(v, p.spatial);
-  const int64_t num_clusters = std::min<int64_t>(p.num_slices, max_active_clusters(v, cluster_size));
+  const int64_t num_clusters = std::min<int64_t>(
+      p.num_slices(),
+      max_active_clusters(reinterpret_cast<const void*>(v.kernel), v.threads, v.shared_bytes, cluster_size));
   cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config =
-      cluster_launch_config(v, static_cast<unsigned>(num_clusters * cluster_size), cluster_size, stream, &attribute);
+  const cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(num_clusters * cluster_size),
+                                                          v.threads, v.shared_bytes, cluster_size, stream, &attribute);
   return cudaLaunchKernelEx(&config, v.kernel, p);
 }
 
 cudaError_t launch_generic(const ForwardProblem& p, cudaStream_t stream) {
-  const unsigned num_ctas = static_cast<unsigned>(std::min<int64_t>(p.num_slices, INT32_MAX));
   return dispatch_dtype(p.dtype, [&](auto tag) {
-    forward_generic_kernel<decltype(tag), kGenericThreads><<<num_ctas, kGenericThreads, 0, stream>>>(p);
+    forward_generic_kernel<decltype(tag), kGenericThreads><<<grid_for(p.num_slices(), 1), kGenericThreads, 0, stream>>>(p);
     return cudaGetLastError();
   });
 }
 
-}  // namespace
+// The smallest VALUES in {2, 8, 32} with 32 * VALUES >= spatial.
+cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
+  const unsigned num_ctas = grid_for(p.num_slices(), kWarpThreads / kWarpSize);
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (p.spatial <= 2 * kWarpSize) {
+      forward_warp_kernel<T, 2><<<num_ctas, kWarpThreads, 0, stream>>>(p);
+    } else if (p.spatial <= 8 * kWarpSize) {
+      forward_warp_kernel<T, 8><<<num_ctas, kWarpThreads, 0, stream>>>(p);
+    } else {
+      forward_warp_kernel<T, 32><<<num_ctas, kWarpThreads, 0, stream>>>(p);
+    }
+    return cudaGetLastError();
+  });
+}
+
+// Largest slice the generic path is chosen for: its second sweep still finds the
+// slice in L2 (132 SMs x 4 CTAs x 64 KB in flight is about half of H200's L2).
+constexpr int64_t kGenericMaxSpatial = 16384;
+
+}  // namespace forward_detail
+
+static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
 
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
-  return cluster_supported(problem) ? ForwardPath::kCluster : ForwardPath::kGeneric;
+  using namespace forward_detail;
+  if (problem.layout != Layout::kContiguous) return ForwardPath::kSplit;
+  if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
+  if (cluster_supported(problem)) return ForwardPath::kCluster;
+  return problem.spatial <= kGenericMaxSpatial ? ForwardPath::kGeneric : ForwardPath::kSplit;
 }
 
 bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
+  using namespace forward_detail;
+  const bool contiguous = problem.layout == Layout::kContiguous;
   switch (path) {
-    case ForwardPath::kAuto:
-    case ForwardPath::kGeneric: return true;
+    case ForwardPath::kAuto: return true;
+    case ForwardPath::kGeneric: return contiguous;
     case ForwardPath::kCluster: return cluster_supported(problem);
+    case ForwardPath::kWarp: return contiguous && problem.spatial <= kWarpMaxSpatial;
+    case ForwardPath::kSplit: return split_supported(problem);
   }
   return false;
 }
 
+size_t forward_workspace_bytes(const ForwardProblem& problem, ForwardPath path) {
+  using namespace forward_detail;
+  if (path == ForwardPath::kAuto) path = choose_forward_path(problem);
+  return problem.running_mean != nullptr || path == ForwardPath::kSplit ? split_workspace_bytes(problem) : 0;
+}
+
+// With running statistics (eval) every path is the same elementwise sweep.
 cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_t stream) {
-  if (problem.num_slices <= 0 || problem.spatial <= 0) return cudaSuccess;
+  using namespace forward_detail;
+  if (problem.num_slices() <= 0 || problem.spatial <= 0) return cudaSuccess;
   if (problem.y == nullptr || !forward_path_supported(path, problem)) return cudaErrorInvalidValue;
   if (path == ForwardPath::kAuto) path = choose_forward_path(problem);
-  if (path == ForwardPath::kGeneric) return launch_generic(problem, stream);
-  return launch_cluster(problem, stream);
+  if (problem.running_mean != nullptr || path == ForwardPath::kSplit) return launch_split(problem, stream);
+  switch (path) {
+    case ForwardPath::kGeneric: return launch_generic(problem, stream);
+    case ForwardPath::kWarp: return launch_warp(problem, stream);
+    default: return launch_cluster(problem, stream);
+  }
 }
 
 }  // namespace instance_norm

@@ -11,17 +11,6 @@ MODULES = [("InstanceNorm1d", nn.InstanceNorm1d, (2, 3, 10)),
            ("ModelNew", nn.InstanceNorm2d, (2, 3, 5, 7))]
 
 
-def test_unsupported_options_raise_not_implemented(solution):
-    with pytest.raises(NotImplementedError, match="track_running_stats"):
-        solution.ModelNew(8, track_running_stats=True)
-    x = torch.rand(2, 3, 4, 4)
-    for option in ("running_mean", "running_var"):
-        with pytest.raises(NotImplementedError, match=option):
-            solution.instance_norm(x, **{option: torch.ones(3)})
-    with pytest.raises(NotImplementedError, match="use_input_stats"):
-        solution.instance_norm(x, use_input_stats=False)
-
-
 @pytest.mark.parametrize("name, reference, shape", MODULES, ids=[m[0] for m in MODULES])
 @pytest.mark.parametrize("affine", [False, True])
 def test_modules_match_pytorch_on_cpu(solution, name, reference, shape, affine):
@@ -104,3 +93,44 @@ def test_repr_matches_pytorch_fields(solution):
 def test_affine_without_bias(solution):
     model = solution.InstanceNorm2d(3, affine=True, bias=False)
     assert model.bias is None and list(model.state_dict()) == ["weight"]
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_stats_modules_match_pytorch_on_cpu(solution, momentum):
+    """track_running_stats: same buffers and state dict keys as PyTorch's, same update
+    in training (momentum=None: none, as PyTorch), same eval output (CPU runs PyTorch's op)."""
+    torch.manual_seed(2)
+    ours = solution.InstanceNorm2d(3, affine=True, track_running_stats=True, momentum=momentum)
+    theirs = nn.InstanceNorm2d(3, affine=True, track_running_stats=True, momentum=momentum)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert repr(ours) == repr(theirs)
+    for _ in range(2):
+        x = torch.randn(4, 3, 5, 5) * 3 + 1
+        torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+    torch.testing.assert_close(ours.running_var, theirs.running_var)
+    ours.eval(), theirs.eval()
+    x = torch.randn(4, 3, 5, 5)
+    torch.testing.assert_close(ours(x), theirs(x))
+    ours.load_state_dict(theirs.state_dict())
+    ours.reset_parameters()
+    assert torch.equal(ours.running_var, torch.ones(3)) and torch.equal(ours.weight, torch.ones(3))
+
+
+def test_running_buffer_errors_name_the_argument(solution):
+    x = torch.rand(2, 3, 4, 4)
+    with pytest.raises(ValueError, match="running_mean must have C = 3 elements, got 2"):
+        solution.instance_norm(x, torch.zeros(2), torch.ones(2))
+    with pytest.raises(ValueError, match="given together"):
+        solution.instance_norm(x, running_var=torch.ones(3))
+    with pytest.raises(ValueError, match="use_input_stats=False needs running_mean"):
+        solution.instance_norm(x, use_input_stats=False)
+    with pytest.raises(TypeError, match="running_var must be a floating-point tensor"):
+        solution.instance_norm(x, torch.zeros(3), torch.ones(3, dtype=torch.int64))
+
+
+def test_eval_with_single_spatial_element_is_allowed(solution):
+    """As in PyTorch, only use_input_stats needs more than one spatial element."""
+    x = torch.rand(2, 3, 1, 1)
+    out = solution.instance_norm(x, torch.zeros(3), torch.ones(3), use_input_stats=False)
+    torch.testing.assert_close(out, F.instance_norm(x, torch.zeros(3), torch.ones(3), use_input_stats=False))

@@ -16,6 +16,6 @@ export PYTHONUNBUFFERED=1
 for round in $(seq "$rounds"); do
   for dir in "$a" "$b"; do
     echo "== round $round: $dir"
-    INSTANCE_NORM_KERNELS="$dir" python3 bench.py --no-compile "$@" 2>&1 | grep -E "copy_|ModelNew|no speed"
+    INSTANCE_NORM_KERNELS="$dir" python3 bench.py --no-compile "$@" 2>&1 | grep -E "copy_|ours|no speed"
   done
 done

@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
-# One device call: build (timed, cold), GPU tests, check.py, bench.py (the README
-# command) with every path in fp32, bf16 and fp16, compute-sanitizer on small
-# shapes, SASS load/store widths. Logs go to $OUT.
+# One device call running the named stages (default: all), logs to $OUT:
+#   build     cold build (timed) and SASS load/store widths
+#   tests     python -m pytest -m gpu, then check.py
+#   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py
+#   bench     bench.py --paths (the README command) on the seed shape, fp32 and bf16
+#   suite     bench.py --suite, forward and --backward
+#
+#   bash tools/gpu_session.sh [stage ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+stages="${*:-build tests sanitize bench suite}"
+has() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-start=$(date +%s); python3 -c "import solution" 2>&1 | tail -3; echo "cold build: $(( $(date +%s) - start )) s"
-so=$(ls ~/.cache/instance_norm_cuda/*/instance_norm_*.so | head -1)
-cuobjdump -sass "$so" | grep -oE "(LDG|STG|LDL|STL|LDS|STS)[.A-Z0-9]*" | sort | uniq -c
-python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
-python3 check.py 2>&1 | tee "$OUT/check.log"
-python -m pip install -q -r requirements.txt && python bench.py --paths --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-python3 bench.py --dtype bfloat16 --paths --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_bf16.log"
-python3 bench.py --dtype float16 --no-compile --json "$OUT/bench_fp16.json" 2>&1 | tee "$OUT/bench_fp16.log"
-for tool in memcheck racecheck synccheck; do
-  timeout 80 compute-sanitizer --tool $tool --error-exitcode 3 python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
-  echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
-done
+start=$(date +%s); python3 -c "import solution" 2>&1 | tail -3; echo "build: $(( $(date +%s) - start )) s"
+if has build; then
+  so=$(ls ~/.cache/instance_norm_cuda/*/instance_norm_*.so | head -1)
+  cuobjdump -sass "$so" | grep -oE "(LDG|STG|LDL|STL|LDS|STS)[.A-Z0-9]*" | sort | uniq -c
+fi
+if has tests; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=40 --tb=short --durations=10 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|Error|^E " | head -60
+  python3 check.py --trials 2 2>&1 | tee "$OUT/check.log"
+fi
+if has sanitize; then
+  for tool in memcheck racecheck synccheck; do
+    timeout 120 compute-sanitizer --tool $tool --error-exitcode 3 python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"
+    grep -E "WRONG|ERROR SUMMARY" "$OUT/sanitizer_$tool.log" | head -5
+  done
+fi
+if has bench; then
+  python -m pip install -q -r requirements.txt && python bench.py --paths --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  python3 bench.py --dtype bfloat16 --paths --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_bf16.log"
+fi
+if has suite; then
+  python3 bench.py --suite --runs 20 --json "$OUT/suite.json" 2>&1 | tee "$OUT/suite.log" | sed -n '/^summary/,$p'
+  python3 bench.py --suite --backward --runs 20 --json "$OUT/suite_backward.json" 2>&1 | tee "$OUT/suite_backward.log" | sed -n '/^summary/,$p'
+fi

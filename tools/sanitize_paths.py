@@ -1,39 +1,60 @@
-"""Run every forward path once on small shapes, for compute-sanitizer:
+"""Run every forward and backward path once on small shapes, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python tools/sanitize_paths.py
 
-Shapes cover full and partly filled clusters, a 16-CTA cluster, odd sizes and a
-misaligned view, in float32 and bfloat16, with a per-channel weight. Exits 1 if any output is wrong (so a tool run also checks results)."""
+Shapes cover the warp path, full and partly filled clusters, a 16-CTA cluster, odd
+sizes, the split path (contiguous and channels-last), eval with running statistics,
+the running-statistics update and a misaligned view, in float32 and bfloat16, with a
+per-channel weight. Exits 1 if any output is wrong (so a tool run also checks results)."""
 import itertools
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 import solution  # noqa: E402
+from reference import channels_last, float64_reference  # noqa: E402
 
-SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (1, 2, 724, 724)]
+SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (1, 2, 724, 724), (3, 5, 7, 7), (1, 2, 1030, 1030)]
+
+
+def close(out, reference, dtype):
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    return torch.allclose(out.double(), reference, atol=tolerance, rtol=tolerance)
 
 
 def main():
     torch.manual_seed(0)
     failures = 0
-    for shape, dtype in itertools.product(SHAPES, (torch.float32, torch.bfloat16)):
+    for shape, dtype, layout in itertools.product(SHAPES, (torch.float32, torch.bfloat16), ("contiguous", "cl")):
         x = torch.randn(shape, device="cuda").to(dtype)
+        if layout == "cl":
+            x = channels_last(x)
         weight = torch.randn(shape[1], device="cuda")
-        reference = torch.nn.functional.instance_norm(x.double(), weight=weight.double()).to(dtype)
-        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-        for path in (1, 2):
+        reference = float64_reference(x, weight)
+        for path in range(1, 5):
             if not solution._EXT.path_supported(x, path):
                 continue
-            out = solution._EXT.forward(x, weight=weight, path=path)
-            ok = torch.allclose(out, reference, atol=tolerance, rtol=tolerance)
+            y, mean, rstd = solution._EXT.forward_with_stats(x, weight=weight, path=path)
+            ok = close(y, reference, dtype)
+            dy = torch.randn_like(x)
+            for backward_path in (1, 2):
+                if solution._EXT.backward_path_supported(x, backward_path):
+                    dx = solution._EXT.backward(dy, x, mean, rstd, weight, backward_path)[0]
+                    ok = ok and bool(torch.isfinite(dx).all())
             failures += not ok
-            print(f"shape {shape} {dtype} path {path}: {'ok' if ok else 'WRONG'}")
+            print(f"shape {shape} {dtype} {layout} path {path} (+ backward): {'ok' if ok else 'WRONG'}")
+        running = [torch.randn(shape[1], device="cuda"), torch.rand(shape[1], device="cuda") + 0.5]
+        eval_out = solution.instance_norm(x, *running, weight=weight, use_input_stats=False)
+        ok = close(eval_out, float64_reference(x, weight, running_mean=running[0], running_var=running[1]), dtype)
+        solution.instance_norm(x, *running, weight=weight)
+        failures += not ok
+        print(f"shape {shape} {dtype} {layout} eval + running update: {'ok' if ok else 'WRONG'}")
     misaligned = torch.randn(2 * 3 * 64 * 64 + 1, device="cuda")[1:].view(2, 3, 64, 64)
-    ok = torch.allclose(solution.ModelNew(3)(misaligned),
-                        torch.nn.functional.instance_norm(misaligned.double()).float(), atol=1e-4, rtol=1e-4)
+    ok = close(solution.ModelNew(3)(misaligned), float64_reference(misaligned), torch.float32)
     failures += not ok
     print(f"misaligned view: {'ok' if ok else 'WRONG'}")
     torch.cuda.synchronize()

@@ -1,0 +1,749 @@
+// InstanceNorm backward (use_input_stats=True) on contiguous or channels-last data
+// of float32, float16 or bfloat16: the cluster-resident single-read kernel, the
+// generic partial-sums / combine / dx kernels, and the one place that chooses
+// between them.
+//
+// Formula: the standard batch-norm backward applied per instance (PyTorch's
+// batch_norm_backward_elemt on the (1, N * C, *spatial) view). With S values per
+// slice, xhat = (x - mean) * rstd and a = rstd * w:
+//   dx = a * (dy - sum(dy) / S - xhat * sum(dy * xhat) / S)
+//      = a * dy + b * (x - mean) + c,   b = -a * rstd * sum(dy * xhat) / S,  c = -a * sum(dy) / S.
+// Every kernel accumulates sum(dy) and sum(dy * (x - mean)) (as PyTorch's dot_p)
+// and scales the latter by rstd once per slice.
+// Determinism: every sum is taken in an order fixed by the problem's shape (per-thread
+// sequential sums, xor butterflies, shared-memory trees, partials combined in chunk
+// order), never by atomics or scheduling, so dx and the sums are bit-identical run to run.
+#include "common.cuh"
+#include "instance_norm.h"
+
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+
+namespace instance_norm {
+// load_inline compiles all .cu sources as one translation unit: each file keeps
+// its internals in its own namespace.
+namespace backward_detail {
+
+namespace cg = cooperative_groups;
+
+// ---- per-slice arithmetic shared by every kernel ----
+
+__device__ __forceinline__ float channel_weight(const BackwardProblem& p, int64_t channel) {
+  return p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
+}
+
+// dx = a * dy + b * (x - mean) + c (see the top of the file). The sums are scaled
+// by inv_spatial = 1 / S, as PyTorch's norm_fct; each kernel divides once, not per
+// slice (a float division has a slow-path subroutine call that costs registers).
+struct DxCoefficients {
+  float mean, a, b, c;
+};
+
+__device__ __forceinline__ DxCoefficients dx_coefficients(float mean, float rstd, float weight, float sum_dy,
+                                                          float sum_dy_xhat, float inv_spatial) {
+  const float a = rstd * weight;
+  return {mean, a, -a * rstd * sum_dy_xhat * inv_spatial, -a * sum_dy * inv_spatial};
+}
+
+__device__ __forceinline__ float input_gradient(const DxCoefficients& k, float x, float dy) {
+  return fmaf(k.a, dy, fmaf(k.b, x - k.mean, k.c));
+}
+
+// (sum(dy), sum(dy * (x - mean))) += one value's terms.
+__device__ __forceinline__ void accumulate(float2& sums, float x, float dy, float mean) {
+  sums.x += dy;
+  sums.y = fmaf(dy, x - mean, sums.y);
+}
+
+// ---- generic path: any layout, size, alignment and GPU ----
+//
+// (a) partial sums (sum(dy), sum(dy * (x - mean))) of each chunk into the workspace,
+// (b) a combine of each slice's chunks in chunk order into sum_dy / sum_dy_xhat,
+// (c) the dx sweep (second read of x and dy; for slices up to a few hundred KB it
+//     hits L2).
+// Workspace: float2 partials. Contiguous: [slice][chunk] (chunk = a run of
+// plan.chunk values of the slice). Channels-last: [n][chunk][channel] (chunk = a
+// run of plan.chunk rows s of image n), so a CTA writes its channels contiguously.
+constexpr int kGenericThreads = 256;
+constexpr int kGenericWarps = kGenericThreads / kWarpSize;
+// Groups of values whose loads a thread issues before using any of them.
+constexpr int kUnroll = 4;
+// Chunk sizes, in values per warp (a channels-last CTA takes kGenericWarps times as
+// many). kTargetWarpItems ~ 132 SMs x 64 resident warps: a tensor big enough to
+// fill the GPU is cut into at least one full wave of work items, so a single 128^3
+// slice still spreads over every SM. Chunks are at least kMinChunkValues (enough
+// loads in flight per warp; at most 2,048 partials per slice for the combine) and at
+// most kMaxChunkValues (many items for big tensors, so the last wave's tail is
+// short). Small slices take one chunk each, shared by as few lanes as cover it.
+constexpr int64_t kTargetWarpItems = 8192;
+constexpr int64_t kMinChunkValues = 1024;
+constexpr int64_t kMaxChunkValues = 16384;
+constexpr unsigned kMaxGridCtas = 1u << 16;  // the kernels grid-stride over their items
+
+// How the generic path cuts the problem: a function of shape and dtype only (not of
+// the device or alignment), so the workspace size query and the launch agree, and
+// the sums are the same bits on every GPU.
+struct GenericPlan {
+  bool channels_last;
+  int64_t chunk;          // contiguous: values per chunk (a multiple of 8); channels-last: rows per chunk
+  int64_t chunks;         // chunks per slice (contiguous) or per image n (channels-last)
+  int lanes_per_chunk;    // contiguous: lanes that share a chunk (a power of two <= 32)
+  int lanes_per_slice;    // combine: lanes that share a slice's partials (a power of two <= 32)
+  int lanes_per_row;      // channels-last: threads along C, one vector of channels each (a power of two <= 32)
+  int64_t channel_tiles;  // channels-last: ceil(C / (lanes_per_row * values per vector))
+  int64_t num_items;      // contiguous: (slice, chunk) lane-group items; channels-last: (n, chunk, tile) CTA items
+  int64_t num_partials;
+};
+
+// A run of up to one vector of consecutive values: its element offset and how many
+// of its values are in range (<= 0: none).
+struct Group {
+  int64_t offset;
+  int count;
+};
+
+// One 16-byte vector (VECTOR: aligned and whole whenever count > 0) or `count`
+// scalars of `group`, as float; 0 for values out of range, whose terms then add
+// (+-)0 to the sums.
+template <typename T, bool VECTOR>
+__device__ __forceinline__ void load_values(const T* base, Group group, float (&out)[Storage<T>::kPerVector]) {
+  using S = Storage<T>;
+  if constexpr (VECTOR) {
+    if (group.count > 0) {
+      S::unpack(__ldg(reinterpret_cast<const uint4*>(base + group.offset)), out);
+    } else {
+#pragma unroll
+      for (int k = 0; k < S::kPerVector; ++k) out[k] = 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < S::kPerVector; ++k) {
+      out[k] = k < group.count ? S::to_float(__ldg(base + group.offset + k)) : 0.f;
+    }
+  }
+}
+
+template <typename T, bool VECTOR>
+__device__ __forceinline__ void store_values(T* base, Group group, const float (&values)[Storage<T>::kPerVector]) {
+  using S = Storage<T>;
+  if constexpr (VECTOR) {
+    if (group.count > 0) store_streaming(reinterpret_cast<uint4*>(base + group.offset), S::pack(values));
+  } else {
+#pragma unroll
+    for (int k = 0; k < S::kPerVector; ++k) {
+      if (k < group.count) base[group.offset + k] = S::from_float(values[k]);
+    }
+  }
+}
+
+// For s = first, first + step, ... < last: loads x and dy of group_at(s) and calls
+// f(group, x, dy). kUnroll groups are loaded before any is used, so each thread
+// keeps 2 * kUnroll loads in flight. group_at(s) must give count <= 0 for s >= last.
+template <typename T, bool VECTOR, typename GroupAt, typename F>
+__device__ __forceinline__ void sweep(const T* x, const T* dy, int64_t first, int64_t last, int64_t step,
+                                      GroupAt group_at, F f) {
+  constexpr int kPer = Storage<T>::kPerVector;
+  for (int64_t s = first; s < last; s += step * kUnroll) {
+    Group groups[kUnroll];
+    float x_values[kUnroll][kPer], dy_values[kUnroll][kPer];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      groups[u] = group_at(s + u * step);
+      load_values<T, VECTOR>(x, groups[u], x_values[u]);
+      load_values<T, VECTOR>(dy, groups[u], dy_values[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) f(groups[u], x_values[u], dy_values[u]);
+  }
+}
+
+// Items shared out to groups of `group_lanes` lanes (a power of two <= 32, aligned
+// in the warp), so that many small slices (e.g. 70,000 of 16 values) take a few
+// lanes each rather than a warp or a CTA. Calls f(item, in_range, group_lane) with
+// a trip count uniform across the warp, so every lane reaches the groups' shuffles;
+// past the last item f runs with in_range = false and must add nothing.
+template <typename F>
+__device__ __forceinline__ void for_each_group_item(int64_t num_items, int group_lanes, F f) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t groups_per_warp = kWarpSize / group_lanes;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kGenericWarps + threadIdx.x / kWarpSize;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kGenericWarps * groups_per_warp;
+  for (int64_t first = warp * groups_per_warp; first < num_items; first += step) {
+    const int64_t item = first + lane / group_lanes;
+    f(item, item < num_items, lane % group_lanes);
+  }
+}
+
+// Combination by the commutative `op` over each aligned group of `group_lanes`
+// lanes: an xor butterfly, so every lane of a group gets the same bits.
+// (A partial-width warp_allreduce; belongs in common.cuh.)
+template <typename V, typename Op>
+__device__ __forceinline__ V group_allreduce(V value, int group_lanes, Op op) {
+  for (int offset = group_lanes / 2; offset > 0; offset /= 2) value = op(value, shfl_xor(value, offset));
+  return value;
+}
+
+// Contiguous item = (slice, chunk): the elements [begin, end); empty out of range.
+struct ContiguousChunk {
+  int64_t slice, begin, end;
+};
+
+__device__ __forceinline__ ContiguousChunk contiguous_chunk(const BackwardProblem& p, const GenericPlan& plan,
+                                                            int64_t item, bool in_range) {
+  if (!in_range) return {0, 0, 0};
+  const int64_t slice = item / plan.chunks;
+  const int64_t chunk = item - slice * plan.chunks;
+  const int64_t base = slice * p.spatial;
+  return {slice, base + chunk * plan.chunk, base + min((chunk + 1) * plan.chunk, p.spatial)};
+}
+
+// Lane group_lane of the chunk's group takes the vectors group_lane,
+// group_lane + lanes_per_chunk, ... of [begin, end), sweep step lanes_per_chunk *
+// kPer. In VECTOR mode begin and end are multiples of the vector (spatial and
+// plan.chunk are), so every group is a whole aligned vector. Offsets passed here
+// are below end + kUnroll * step, so count fits an int.
+template <int PER_VECTOR>
+__device__ __forceinline__ auto contiguous_groups(int64_t end) {
+  return [end](int64_t offset) {
+    return Group{offset, static_cast<int>(min(static_cast<int64_t>(PER_VECTOR), end - offset))};
+  };
+}
+
+template <typename T, bool VECTOR>
+__global__ void __launch_bounds__(kGenericThreads, 1)
+    partial_sums_contiguous_kernel(const BackwardProblem p, const GenericPlan plan, float2* partials) {
+  constexpr int kPer = Storage<T>::kPerVector;
+  const T* x = static_cast<const T*>(p.x);
+  const T* dy = static_cast<const T*>(p.dy);
+  const int64_t step = static_cast<int64_t>(plan.lanes_per_chunk) * kPer;
+  for_each_group_item(plan.num_items, plan.lanes_per_chunk, [&](int64_t item, bool in_range, int group_lane) {
+    const ContiguousChunk chunk = contiguous_chunk(p, plan, item, in_range);
+    const float mean = in_range ? __ldg(p.mean + chunk.slice) : 0.f;
+    float2 sums = make_float2(0.f, 0.f);
+    sweep<T, VECTOR>(x, dy, chunk.begin + group_lane * kPer, chunk.end, step, contiguous_groups<kPer>(chunk.end),
+                     [&](Group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+#pragma unroll
+                       for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+                     });
+    sums = group_allreduce(sums, plan.lanes_per_chunk, SumFloat2());
+    if (in_range && group_lane == 0) partials[item] = sums;
+  });
+}
+
+template <typename T, bool VECTOR>
+__global__ void __launch_bounds__(kGenericThreads, 1)
+    input_gradient_contiguous_kernel(const BackwardProblem p, const GenericPlan plan) {
+  constexpr int kPer = Storage<T>::kPerVector;
+  const T* x = static_cast<const T*>(p.x);
+  const T* dy = static_cast<const T*>(p.dy);
+  T* dx = static_cast<T*>(p.dx);
+  const float inv_spatial = 1.f / static_cast<float>(p.spatial);
+  const int64_t step = static_cast<int64_t>(plan.lanes_per_chunk) * kPer;
+  for_each_group_item(plan.num_items, plan.lanes_per_chunk, [&](int64_t item, bool in_range, int group_lane) {
+    if (!in_range) return;  // no shuffles below
+    const ContiguousChunk chunk = contiguous_chunk(p, plan, item, in_range);
+    const int64_t slice = chunk.slice;
+    const DxCoefficients coefficients =
+        dx_coefficients(__ldg(p.mean + slice), __ldg(p.rstd + slice), channel_weight(p, slice % p.num_channels),
+                        __ldg(p.sum_dy + slice), __ldg(p.sum_dy_xhat + slice), inv_spatial);
+    sweep<T, VECTOR>(x, dy, chunk.begin + group_lane * kPer, chunk.end, step, contiguous_groups<kPer>(chunk.end),
+                     [&](Group group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+                       float out[kPer];
+#pragma unroll
+                       for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
+                       store_values<T, VECTOR>(dx, group, out);
+                     });
+  });
+}
+
+// Channels-last: one CTA per item (n, chunk of rows, tile of channels). Thread t
+// owns the vector of channels tile * tile_width + (t % lanes_per_row) * kPer and
+// the rows chunk_first + t / lanes_per_row + i * row_groups, so a warp reads
+// lanes_per_row consecutive vectors per row (coalesced; a warp covers several rows
+// when C is small). VECTOR needs C % kPer == 0 (every row starts on a vector).
+// CTA b takes the run of items [b, b + 1) * ceil(num_items / gridDim.x), ordered
+// (n, chunk, tile) with tile fastest, and steps through it with a mixed-radix
+// counter: 64-bit divisions (subroutine calls) only once per CTA.
+struct ChannelsLastItems {
+  int64_t item, end;  // this CTA's next item and the end of its run
+  int64_t n, chunk, tile;
+
+  __device__ explicit ChannelsLastItems(const GenericPlan& plan) {
+    const int64_t per_cta = (plan.num_items + gridDim.x - 1) / gridDim.x;
+    item = blockIdx.x * per_cta;
+    end = min(item + per_cta, plan.num_items);
+    const int64_t image_chunk = item / plan.channel_tiles;
+    tile = item - image_chunk * plan.channel_tiles;
+    n = image_chunk / plan.chunks;
+    chunk = image_chunk - n * plan.chunks;
+  }
+  __device__ bool valid() const { return item < end; }
+  __device__ void advance(const GenericPlan& plan) {
+    ++item;
+    if (++tile < plan.channel_tiles) return;
+    tile = 0;
+    if (++chunk < plan.chunks) return;
+    chunk = 0;
+    ++n;
+  }
+};
+
+// This thread's part of the current item.
+struct ChannelsLastItem {
+  int64_t n, chunk, first_channel;  // first_channel: this thread's first channel
+  int count;                        // channels this thread owns (<= 0: none)
+  int64_t row_first, row_end;       // this thread's first row, and the chunk's end
+  int row_groups;                   // rows the CTA covers per step
+};
+
+template <int PER_VECTOR>
+__device__ __forceinline__ ChannelsLastItem channels_last_item(const BackwardProblem& p, const GenericPlan& plan,
+                                                               const ChannelsLastItems& items) {
+  const int tile_width = plan.lanes_per_row * PER_VECTOR;
+  const int64_t first_channel = items.tile * tile_width + (threadIdx.x % plan.lanes_per_row) * PER_VECTOR;
+  const int count = static_cast<int>(min(static_cast<int64_t>(PER_VECTOR), p.num_channels - first_channel));
+  const int64_t row_begin = items.chunk * plan.chunk;
+  return {items.n,
+          items.chunk,
+          first_channel,
+          count,
+          row_begin + threadIdx.x / plan.lanes_per_row,
+          min(row_begin + plan.chunk, p.spatial),
+          kGenericThreads / plan.lanes_per_row};
+}
+
+template <typename T, bool VECTOR, typename F>
+__device__ __forceinline__ void sweep_rows(const BackwardProblem& p, const ChannelsLastItem& it, F f) {
+  const int64_t image = it.n * p.spatial;
+  const int64_t channels = p.num_channels;
+  sweep<T, VECTOR>(static_cast<const T*>(p.x), static_cast<const T*>(p.dy), it.row_first, it.row_end, it.row_groups,
+                   [&](int64_t row) {
+                     return Group{(image + row) * channels + it.first_channel, row < it.row_end ? it.count : 0};
+                   },
+                   f);
+}
+
+template <typename T, bool VECTOR>
+__global__ void __launch_bounds__(kGenericThreads, 1)
+    partial_sums_channels_last_kernel(const BackwardProblem p, const GenericPlan plan, float2* partials) {
+  constexpr int kPer = Storage<T>::kPerVector;
+  // Thread t's sums at [t * kPer, (t + 1) * kPer) = [row group][channel in tile].
+  __shared__ float2 thread_sums[kGenericThreads * kPer];
+  const int tile_width = plan.lanes_per_row * kPer;
+  for (ChannelsLastItems items(plan); items.valid(); items.advance(plan)) {
+    const ChannelsLastItem it = channels_last_item<kPer>(p, plan, items);
+    float mean[kPer];
+    float2 sums[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      mean[k] = k < it.count ? __ldg(p.mean + it.n * p.num_channels + it.first_channel + k) : 0.f;
+      sums[k] = make_float2(0.f, 0.f);
+    }
+    sweep_rows<T, VECTOR>(p, it, [&](Group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) accumulate(sums[k], xv[k], dyv[k], mean[k]);
+    });
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) thread_sums[threadIdx.x * kPer + k] = sums[k];
+    __syncthreads();
+    // Tree over the row groups (a power of two) in fixed pairs: deterministic.
+    for (int half = it.row_groups / 2; half > 0; half /= 2) {
+      for (int j = threadIdx.x; j < half * tile_width; j += kGenericThreads) {
+        thread_sums[j] = SumFloat2()(thread_sums[j], thread_sums[j + half * tile_width]);
+      }
+      __syncthreads();
+    }
+    if (static_cast<int>(threadIdx.x) < plan.lanes_per_row) {
+      float2* out = partials + (it.n * plan.chunks + it.chunk) * p.num_channels + it.first_channel;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        if (k < it.count) out[k] = thread_sums[threadIdx.x * kPer + k];
+      }
+    }
+    __syncthreads();  // thread_sums is rewritten by the next item
+  }
+}
+
+template <typename T, bool VECTOR>
+__global__ void __launch_bounds__(kGenericThreads, 1)
+    input_gradient_channels_last_kernel(const BackwardProblem p, const GenericPlan plan) {
+  constexpr int kPer = Storage<T>::kPerVector;
+  T* dx = static_cast<T*>(p.dx);
+  const float inv_spatial = 1.f / static_cast<float>(p.spatial);
+  for (ChannelsLastItems items(plan); items.valid(); items.advance(plan)) {
+    const ChannelsLastItem it = channels_last_item<kPer>(p, plan, items);
+    DxCoefficients coefficients[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int64_t channel = it.first_channel + k;
+      const int64_t slice = it.n * p.num_channels + channel;
+      coefficients[k] = k < it.count ? dx_coefficients(__ldg(p.mean + slice), __ldg(p.rstd + slice),
+                                                       channel_weight(p, channel), __ldg(p.sum_dy + slice),
+                                                       __ldg(p.sum_dy_xhat + slice), inv_spatial)
+                                     : DxCoefficients{0.f, 0.f, 0.f, 0.f};
+    }
+    sweep_rows<T, VECTOR>(p, it, [&](Group group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+      float out[kPer];
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients[k], xv[k], dyv[k]);
+      store_values<T, VECTOR>(dx, group, out);
+    });
+  }
+}
+
+// lanes_per_slice lanes per slice: lane l sums the slice's chunks l, l +
+// lanes_per_slice, ... in order, then an xor butterfly; writes sum_dy and
+// sum_dy_xhat = rstd * sum(dy * (x - mean)).
+__global__ void __launch_bounds__(kGenericThreads, 1)
+    combine_partials_kernel(const BackwardProblem p, const GenericPlan plan, const float2* partials) {
+  const int64_t chunk_stride = plan.channels_last ? p.num_channels : 1;
+  const int64_t lanes = plan.lanes_per_slice;
+  for_each_group_item(p.num_slices(), plan.lanes_per_slice, [&](int64_t slice, bool in_range,
+                                                                          int group_lane) {
+    int64_t first = 0, chunks = 0;  // partials[first + chunk * chunk_stride], chunk < chunks
+    if (in_range) {
+      const int64_t channel = plan.channels_last ? slice % p.num_channels : 0;
+      first = plan.channels_last ? (slice - channel) * plan.chunks + channel : slice * plan.chunks;
+      chunks = plan.chunks;
+    }
+    float2 sums = make_float2(0.f, 0.f);
+    for (int64_t chunk = group_lane; chunk < chunks; chunk += lanes * kUnroll) {
+      float2 part[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t c = chunk + u * lanes;
+        part[u] = c < chunks ? partials[first + c * chunk_stride] : make_float2(0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) sums = SumFloat2()(sums, part[u]);
+    }
+    sums = group_allreduce(sums, plan.lanes_per_slice, SumFloat2());
+    if (in_range && group_lane == 0) {
+      p.sum_dy[slice] = sums.x;
+      p.sum_dy_xhat[slice] = sums.y * __ldg(p.rstd + slice);
+    }
+  });
+}
+
+// ---- cluster path (sm_90+), persistent, x and dy read once ----
+
+// The grid holds as many clusters of ceil(spatial / (THREADS * VALUES_PER_THREAD))
+// CTAs as can be resident at once; cluster k takes slices k, k + num_clusters, ...
+// (one cluster per slice is limited by the cluster launch rate: docs/perf-notes.md).
+// For each slice, CTA rank r owns the values [r, r + 1) * THREADS * VALUES_PER_THREAD;
+// thread t owns its 16-byte vectors first + i * THREADS of x and of dy.
+// Per slice: wait for this thread's staged x and dy, move them to registers, sum
+// dy and dy * (x - mean) over them, stage the next slice's x and dy into the same
+// shared memory with cp.async (its HBM read overlaps everything below), reduce the
+// two sums over the cluster (one DSMEM barrier: every CTA gets the same bits), then
+// compute dx from the registers and write it with streaming stores. HBM: x and dy
+// read once, dx written once.
+// Registers hold the raw 16-byte vectors (unpacked to float when used), so a
+// 16-bit variant holds twice the values of a float32 one in the same registers.
+// Needs 2 * THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
+// spatial % Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and spatial at
+// most kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
+template <typename T, int THREADS, int VALUES_PER_THREAD>
+__global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const BackwardProblem p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = Storage<T>;
+  constexpr int kPer = S::kPerVector;
+  static_assert(VALUES_PER_THREAD % kPer == 0, "values are held as whole 16-byte vectors");
+  constexpr int kVecs = VALUES_PER_THREAD / kPer;
+  constexpr int kCtaVecs = THREADS * kVecs;
+  using Reduce = ClusterAllReduce<float2, THREADS, SumFloat2>;
+  __shared__ typename Reduce::TempStorage storage;
+  extern __shared__ uint4 staged[];  // x then dy, each [kVecs][THREADS]: each thread owns two columns
+
+  const T* x = static_cast<const T*>(p.x);
+  const T* dy = static_cast<const T*>(p.dy);
+  T* dx = static_cast<T*>(p.dx);
+  const int64_t num_slices = p.num_slices();
+  const int spatial = static_cast<int>(p.spatial);
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int cluster_size = static_cast<int>(cluster.num_blocks());
+  const int64_t num_clusters = gridDim.x / cluster_size;
+  const bool writes_sums = cluster.block_rank() == 0 && threadIdx.x == 0;
+  const float inv_spatial = 1.f / static_cast<float>(spatial);
+
+  // This thread's vectors of a slice are first + i * THREADS for i < valid.
+  const int num_vecs = spatial / kPer;
+  const int first = static_cast<int>(cluster.block_rank()) * kCtaVecs + threadIdx.x;
+  const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
+  const unsigned staged_x = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
+  const unsigned staged_dy = staged_x + kCtaVecs * 16;
+  const auto stage = [&](int64_t slice) {
+    const int64_t offset = slice * spatial;
+    stage_column<THREADS>(staged_x, reinterpret_cast<const uint4*>(x + offset) + first, valid,
+                          std::make_integer_sequence<int, kVecs>());
+    stage_column<THREADS>(staged_dy, reinterpret_cast<const uint4*>(dy + offset) + first, valid,
+                          std::make_integer_sequence<int, kVecs>());
+  };
+
+  int64_t slice = blockIdx.x / cluster_size;
+  if (slice < num_slices) stage(slice);
+  for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
+    const int64_t next = slice + num_clusters;
+    // Issued before the wait so their latency overlaps it.
+    const float mean = __ldg(p.mean + slice);
+    const float rstd = __ldg(p.rstd + slice);
+    const float weight = channel_weight(p, slice % p.num_channels);
+
+    uint4 x_raw[kVecs], dy_raw[kVecs];
+    cp_async_wait_all();
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (i < valid) {
+        x_raw[i] = staged[i * THREADS + threadIdx.x];
+        dy_raw[i] = staged[kCtaVecs + i * THREADS + threadIdx.x];
+      }
+    }
+    float2 sums = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (i < valid) {
+        float xv[kPer], dyv[kPer];
+        S::unpack(x_raw[i], xv);
+        S::unpack(dy_raw[i], dyv);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+      }
+    }
+    // The sums used every staged value this thread read, so they are all in
+    // registers now and its shared-memory columns can take the next slice.
+    if (next < num_slices) stage(next);
+
+    const float2 total = Reduce::allreduce(sums, storage, parity);
+    const float sum_dy_xhat = total.y * rstd;
+    if (writes_sums) {
+      p.sum_dy[slice] = total.x;
+      p.sum_dy_xhat[slice] = sum_dy_xhat;
+    }
+    const DxCoefficients coefficients =
+        dx_coefficients(mean, rstd, weight, total.x, sum_dy_xhat, inv_spatial);
+    uint4* slice_dx = reinterpret_cast<uint4*>(dx + slice * spatial);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (i < valid) {
+        float xv[kPer], dyv[kPer], out[kPer];
+        S::unpack(x_raw[i], xv);
+        S::unpack(dy_raw[i], dyv);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
+        store_streaming(slice_dx + first + i * THREADS, S::pack(out));
+      }
+    }
+  }
+  cluster.sync();  // no CTA leaves while another may still read its shared memory
+#endif
+}
+
+using ClusterKernel = void (*)(const BackwardProblem);
+
+struct ClusterVariant {
+  DType dtype;
+  int threads;
+  int cta_capacity;  // values of a slice one CTA holds (x and dy each)
+  int shared_bytes;  // dynamic shared memory per CTA: the staged next slice's x and dy
+  ClusterKernel kernel;
+};
+
+template <typename T, int THREADS, int VALUES>
+constexpr ClusterVariant cluster_variant(DType dtype) {
+  return {dtype, THREADS, THREADS * VALUES, 2 * THREADS * VALUES * static_cast<int>(sizeof(T)),
+          backward_cluster_kernel<T, THREADS, VALUES>};
+}
+
+// One CTA per SM (512 threads): 32 registers of x and 32 of dy per thread (128 KB
+// of registers per CTA) plus 128 KB of staged next slice. float32 512 x 32: a
+// 512 x 512 slice takes a cluster of 16; the 16-bit variants hold 64 values of x
+// and of dy in the same registers, so a 512 x 512 slice takes a cluster of 8.
+constexpr ClusterVariant kClusterVariants[] = {
+    cluster_variant<float, 512, 32>(DType::kFloat32),
+    cluster_variant<__half, 512, 64>(DType::kFloat16),
+    cluster_variant<__nv_bfloat16, 512, 64>(DType::kBFloat16),
+};
+
+const ClusterVariant& cluster_variant_for(DType dtype) {
+  for (const ClusterVariant& v : kClusterVariants) {
+    if (v.dtype == dtype) return v;
+  }
+  return kClusterVariants[0];  // unreachable: every DType has a variant
+}
+
+// The cluster kernel loops over slices with a block reduction and a cluster
+// barrier each (~ microseconds); below about this many values a slice moves too
+// few bytes per CTA to hide that, and the generic path (all SMs, many warps in
+// flight) is faster. Forcing kCluster still runs smaller slices. To be measured.
+constexpr int64_t kClusterMinSpatial = 4096;
+
+// ---- host: the choice of path and the launches ----
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The smallest power of two >= work, at most a warp.
+int lanes_for(int64_t work) {
+  int lanes = 1;
+  while (lanes < kWarpSize && lanes < work) lanes *= 2;
+  return lanes;
+}
+
+// Channels-last with one channel or one spatial value is the contiguous layout.
+bool channels_last(const BackwardProblem& p) {
+  return p.layout == Layout::kChannelsLast && p.num_channels > 1 && p.spatial > 1;
+}
+
+GenericPlan generic_plan(const BackwardProblem& p) {
+  GenericPlan plan{};
+  const int64_t per_vector = values_per_vector(p.dtype);
+  const int64_t total = p.num_slices() * p.spatial;
+  const int64_t warp_values = std::clamp(ceil_div(total, kTargetWarpItems), kMinChunkValues, kMaxChunkValues);
+  plan.channels_last = channels_last(p);
+  if (!plan.channels_last) {
+    // Equal chunks, a multiple of 8 values so that every chunk starts on a vector.
+    plan.chunks = ceil_div(p.spatial, warp_values);
+    plan.chunk = ceil_div(ceil_div(p.spatial, plan.chunks), 8) * 8;
+    plan.chunks = ceil_div(p.spatial, plan.chunk);
+    plan.lanes_per_chunk = lanes_for(ceil_div(std::min(plan.chunk, p.spatial), per_vector));
+    plan.lanes_per_row = 1;
+    plan.channel_tiles = 1;
+    plan.num_items = p.num_slices() * plan.chunks;
+    plan.num_partials = plan.num_items;
+  } else {
+    // Enough lanes along C to cover it with one vector each; the CTA's other
+    // threads cover more rows. Rows per chunk: a multiple of the CTA's row groups.
+    plan.lanes_per_row = lanes_for(ceil_div(p.num_channels, per_vector));
+    const int64_t tile_width = plan.lanes_per_row * per_vector;
+    const int64_t row_groups = kGenericThreads / plan.lanes_per_row;
+    plan.channel_tiles = ceil_div(p.num_channels, tile_width);
+    const int64_t cta_values = kGenericWarps * warp_values;
+    plan.chunk = ceil_div(ceil_div(cta_values, std::min(p.num_channels, tile_width)), row_groups) * row_groups;
+    plan.chunks = ceil_div(p.spatial, plan.chunk);
+    plan.lanes_per_chunk = kWarpSize;
+    plan.num_items = p.batch * plan.chunks * plan.channel_tiles;
+    plan.num_partials = p.batch * plan.chunks * p.num_channels;
+  }
+  plan.lanes_per_slice = lanes_for(plan.chunks);
+  return plan;
+}
+
+// Whether the generic kernels can use 16-byte vectors: every group of values they
+// touch starts on a vector (spatial, resp. C, a multiple of the vector) and the
+// tensors are 16-byte aligned.
+bool generic_vectorized(const BackwardProblem& p, const GenericPlan& plan) {
+  const int64_t row = plan.channels_last ? p.num_channels : p.spatial;
+  return row % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) && aligned16(p.dx);
+}
+
+size_t generic_workspace_bytes(const GenericPlan& plan) {
+  return static_cast<size_t>(ceil_div(plan.num_partials * static_cast<int64_t>(sizeof(float2)), 16) * 16);
+}
+
+// CTAs for `items` shared out to groups of `group_lanes` lanes (capped: the
+// kernels grid-stride).
+unsigned group_grid(int64_t items, int group_lanes) {
+  const int64_t warps = ceil_div(items, kWarpSize / group_lanes);
+  return static_cast<unsigned>(std::min<int64_t>(ceil_div(warps, kGenericWarps), kMaxGridCtas));
+}
+
+unsigned cta_grid(int64_t items) { return static_cast<unsigned>(std::min<int64_t>(items, kMaxGridCtas)); }
+
+cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
+  const GenericPlan plan = generic_plan(p);
+  if (p.workspace == nullptr) return cudaErrorInvalidValue;
+  float2* partials = static_cast<float2*>(p.workspace);
+  const bool vectorized = generic_vectorized(p, plan);
+  return dispatch_dtype(p.dtype, [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    const auto launch = [&](auto vector_tag) {
+      constexpr bool kVector = decltype(vector_tag)::value;
+      if (plan.channels_last) {
+        partial_sums_channels_last_kernel<T, kVector>
+            <<<cta_grid(plan.num_items), kGenericThreads, 0, stream>>>(p, plan, partials);
+      } else {
+        partial_sums_contiguous_kernel<T, kVector>
+            <<<group_grid(plan.num_items, plan.lanes_per_chunk), kGenericThreads, 0, stream>>>(p, plan, partials);
+      }
+      cudaError_t error = cudaGetLastError();
+      if (error != cudaSuccess) return error;
+      combine_partials_kernel<<<group_grid(p.num_slices(), plan.lanes_per_slice), kGenericThreads, 0, stream>>>(
+          p, plan, partials);
+      error = cudaGetLastError();
+      if (error != cudaSuccess) return error;
+      if (plan.channels_last) {
+        input_gradient_channels_last_kernel<T, kVector>
+            <<<cta_grid(plan.num_items), kGenericThreads, 0, stream>>>(p, plan);
+      } else {
+        input_gradient_contiguous_kernel<T, kVector>
+            <<<group_grid(plan.num_items, plan.lanes_per_chunk), kGenericThreads, 0, stream>>>(p, plan);
+      }
+      return cudaGetLastError();
+    };
+    return vectorized ? launch(std::true_type{}) : launch(std::false_type{});
+  });
+}
+
+int64_t cluster_size_for(const ClusterVariant& v, int64_t spatial) { return ceil_div(spatial, v.cta_capacity); }
+
+int active_clusters(const ClusterVariant& v, int cluster_size) {
+  return max_active_clusters(reinterpret_cast<const void*>(v.kernel), v.threads, v.shared_bytes, cluster_size);
+}
+
+bool cluster_supported(const BackwardProblem& p) {
+  const ClusterVariant& v = cluster_variant_for(p.dtype);
+  const int64_t cluster_size = cluster_size_for(v, p.spatial);
+  return !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
+         aligned16(p.dx) && cluster_size <= kMaxClusterSize &&
+         active_clusters(v, static_cast<int>(cluster_size)) > 0;
+}
+
+cudaError_t launch_cluster(const BackwardProblem& p, cudaStream_t stream) {
+  const ClusterVariant& v = cluster_variant_for(p.dtype);
+  const int cluster_size = static_cast<int>(cluster_size_for(v, p.spatial));
+  const int64_t num_clusters = std::min<int64_t>(p.num_slices(), active_clusters(v, cluster_size));
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(num_clusters * cluster_size),
+                                                          v.threads, v.shared_bytes, cluster_size, stream, &attribute);
+  return cudaLaunchKernelEx(&config, v.kernel, p);
+}
+
+}  // namespace backward_detail
+
+BackwardPath choose_backward_path(const BackwardProblem& problem) {
+  using namespace backward_detail;
+  return problem.spatial >= kClusterMinSpatial && cluster_supported(problem) ? BackwardPath::kCluster
+                                                                             : BackwardPath::kGeneric;
+}
+
+bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) {
+  using namespace backward_detail;
+  switch (path) {
+    case BackwardPath::kAuto:
+    case BackwardPath::kGeneric: return true;
+    case BackwardPath::kCluster: return cluster_supported(problem);
+  }
+  return false;
+}
+
+size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath path) {
+  using namespace backward_detail;
+  if (problem.num_slices() <= 0 || problem.spatial <= 0) return 0;
+  if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
+  return path == BackwardPath::kGeneric ? generic_workspace_bytes(generic_plan(problem)) : 0;
+}
+
+// kAuto chooses again here, with the real dx. A workspace sized by a query made
+// before dx existed (a null dx counts as aligned, so the query may say kCluster and
+// 0 bytes) is missing only if dx turns out misaligned; the generic path then
+// returns cudaErrorInvalidValue for a null workspace.
+cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStream_t stream) {
+  using namespace backward_detail;
+  if (problem.num_slices() <= 0 || problem.spatial <= 0) return cudaSuccess;
+  if (problem.dx == nullptr || !backward_path_supported(path, problem)) return cudaErrorInvalidValue;
+  if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
+  if (path == BackwardPath::kGeneric) return launch_generic(problem, stream);
+  return launch_cluster(problem, stream);
+}
+
+}  // namespace instance_norm

@@ -1,0 +1,316 @@
+// The forward's split path (several CTAs per slice, two reads, any layout, size,
+// alignment and GPU), the eval-mode sweep with running statistics, and PyTorch's
+// running-statistics update.
+//
+// Split path, three launches:
+//   1. partial statistics (count, mean, M2) of each chunk of each slice: contiguous,
+//      a CTA per (slice, chunk of kChunk values); channels_last, a CTA per (n, chunk
+//      of kRowsPerChunk spatial rows, tile of 32 channels);
+//   2. one thread per slice combines its chunks in chunk order (Chan et al.) into
+//      {mean, rstd * weight, bias} (or takes running_mean/var in eval);
+//   3. an elementwise sweep y = (x - mean) * scale + bias over the flat tensor.
+// Every reduction has a fixed order, so results are bit-identical run to run.
+#include "common.cuh"
+#include "split.h"
+
+namespace instance_norm {
+// load_inline compiles all .cu sources as one translation unit: each file keeps
+// its internals in its own namespace.
+namespace split_detail {
+
+constexpr int kThreads = 256;
+constexpr int kValuesPerThread = 16;
+constexpr int64_t kChunk = kThreads * kValuesPerThread;  // contiguous: values per partial
+constexpr int kTileChannels = kWarpSize;                 // channels_last: block of 32 channels x 8 rows
+constexpr int kTileRows = kThreads / kTileChannels;
+constexpr int kRowsPerChunk = kTileRows * kValuesPerThread;  // channels_last: rows per partial
+constexpr int kSweepUnroll = 8;                              // vectors per thread per sweep tile
+constexpr int64_t kSweepTile = kThreads * kSweepUnroll;
+
+int64_t chunks_per_slice(const ForwardProblem& p) {
+  const int64_t chunk = p.layout == Layout::kContiguous ? kChunk : kRowsPerChunk;
+  return (p.spatial + chunk - 1) / chunk;
+}
+
+int64_t partials_bytes(const ForwardProblem& p) {
+  if (p.running_mean != nullptr) return 0;
+  const int64_t bytes = p.num_slices() * chunks_per_slice(p) * static_cast<int64_t>(sizeof(SliceStats));
+  return (bytes + 15) / 16 * 16;
+}
+
+// Statistics of this thread's `count` values d[0..count) (already shifted): their
+// mean, then the centered M2 (two passes over registers).
+template <int N>
+__device__ __forceinline__ SliceStats thread_stats(const float (&d)[N], int count) {
+  SliceStats stats{static_cast<float>(count), 0.f, 0.f};
+  if (count == 0) return stats;
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < N; ++k) sum += k < count ? d[k] : 0.f;
+  stats.mean = sum / stats.count;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float deviation = k < count ? d[k] - stats.mean : 0.f;
+    stats.m2 += deviation * deviation;
+  }
+  return stats;
+}
+
+// Pass 1, contiguous: partials[slice * chunks + chunk] for chunks of kChunk values;
+// thread t reads values t + k * kThreads of its chunk (coalesced), shifted by the
+// chunk's first value; the stored mean is absolute (shift added back).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    partial_stats_contiguous_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
+  using S = Storage<T>;
+  __shared__ typename BlockStatsReduce<kThreads>::TempStorage storage;
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t num_tiles = p.num_slices() * chunks;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t slice = tile / chunks;
+    const int64_t begin = (tile - slice * chunks) * kChunk;
+    const int size = static_cast<int>(min(kChunk, p.spatial - begin));
+    const T* chunk_x = x + slice * p.spatial + begin;
+    const float shift = S::to_float(__ldg(chunk_x));
+    const int count = min(kValuesPerThread, max(0, (size - static_cast<int>(threadIdx.x) + kThreads - 1) / kThreads));
+    float d[kValuesPerThread];
+#pragma unroll
+    for (int k = 0; k < kValuesPerThread; ++k) {
+      d[k] = k < count ? S::to_float(__ldg(chunk_x + threadIdx.x + k * kThreads)) - shift : 0.f;
+    }
+    const SliceStats total = BlockStatsReduce<kThreads>::allreduce(thread_stats(d, count), storage);
+    if (threadIdx.x == 0) partials[tile] = {total.count, shift + total.mean, total.m2};
+  }
+}
+
+// Pass 1, channels_last: a (32, 8) block covers 32 channels x kRowsPerChunk rows of
+// one n; thread (c, r) reads rows r + 8 k of channel c (a warp reads 32 consecutive
+// channels of one row), shifted by its channel's first row in the chunk. The 8 row
+// groups are combined in order through shared memory into
+// partials[(n * C + c) * chunks + chunk].
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    partial_stats_channels_last_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
+  using S = Storage<T>;
+  __shared__ SliceStats row_groups[kTileRows][kTileChannels];
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t channel_tiles = (p.num_channels + kTileChannels - 1) / kTileChannels;
+  const int64_t num_tiles = p.batch * chunks * channel_tiles;
+  const int tx = threadIdx.x % kTileChannels;
+  const int ty = threadIdx.x / kTileChannels;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t n = tile / (chunks * channel_tiles);
+    const int64_t rest = tile - n * chunks * channel_tiles;
+    const int64_t chunk = rest / channel_tiles;
+    const int64_t channel = (rest - chunk * channel_tiles) * kTileChannels + tx;
+    const int64_t row_begin = chunk * kRowsPerChunk;
+    const int rows = static_cast<int>(min(static_cast<int64_t>(kRowsPerChunk), p.spatial - row_begin));
+    const bool active = channel < p.num_channels;
+    const T* column = x + (n * p.spatial + row_begin) * p.num_channels + channel;
+    const float shift = active ? S::to_float(__ldg(column)) : 0.f;
+    const int count = active ? min(kValuesPerThread, max(0, (rows - ty + kTileRows - 1) / kTileRows)) : 0;
+    float d[kValuesPerThread];
+#pragma unroll
+    for (int k = 0; k < kValuesPerThread; ++k) {
+      d[k] = k < count ? S::to_float(__ldg(column + (ty + k * kTileRows) * p.num_channels)) - shift : 0.f;
+    }
+    row_groups[ty][tx] = thread_stats(d, count);
+    __syncthreads();
+    if (ty == 0 && active) {
+      SliceStats total = row_groups[0][tx];
+#pragma unroll
+      for (int r = 1; r < kTileRows; ++r) total = combine(total, row_groups[r][tx]);
+      partials[(n * p.num_channels + channel) * chunks + chunk] = {total.count, shift + total.mean, total.m2};
+    }
+    __syncthreads();  // row_groups is rewritten by the next tile
+  }
+}
+
+// Pass 2: per slice {mean, rstd * weight[c], bias[c], 0}; the slice's statistics are
+// its chunks' partials combined in chunk order (and saved to the optional outputs),
+// or running_mean[c] and running_var[c] in eval.
+__global__ void __launch_bounds__(kThreads)
+    slice_stats_kernel(const ForwardProblem p, int64_t chunks, const SliceStats* partials, float4* slice_stats) {
+  const int64_t num_slices = p.num_slices();
+  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; slice < num_slices;
+       slice += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t channel = slice % p.num_channels;
+    float mean, rstd;
+    if (p.running_mean != nullptr) {
+      mean = __ldg(p.running_mean + channel);
+      rstd = rsqrtf(__ldg(p.running_var + channel) + p.eps);
+    } else {
+      SliceStats total = partials[slice * chunks];
+      for (int64_t j = 1; j < chunks; ++j) total = combine(total, partials[slice * chunks + j]);
+      mean = total.mean;
+      rstd = rsqrtf(total.m2 / static_cast<float>(p.spatial) + p.eps);
+      if (p.mean != nullptr) p.mean[slice] = mean;
+      if (p.rstd != nullptr) p.rstd[slice] = rstd;
+    }
+    const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
+    const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
+    slice_stats[slice] = make_float4(mean, rstd * weight, bias, 0.f);
+  }
+}
+
+// V values of x at `offset` (V = 1, or one 16-byte vector) as float.
+template <typename T, int V>
+__device__ __forceinline__ void load_values(const T* x, int64_t offset, float (&out)[V]) {
+  if constexpr (V == 1) {
+    out[0] = Storage<T>::to_float(__ldg(x + offset));
+  } else {
+    Storage<T>::unpack(__ldg(reinterpret_cast<const uint4*>(x + offset)), out);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_values(T* y, int64_t offset, const float (&in)[V]) {
+  if constexpr (V == 1) {
+    y[offset] = Storage<T>::from_float(in[0]);
+  } else {
+    store_streaming(reinterpret_cast<uint4*>(y + offset), Storage<T>::pack(in));
+  }
+}
+
+// Pass 3: y = (x - mean) * scale + bias with the float4 of the element's slice, over
+// the flat tensor in units of V values (one vector, or one value where x, y or the
+// row length is not vector-aligned). Units are split into (row, column) per unit
+// with FastDivider, from a per-tile base that thread 0 splits in 64 bits:
+//   contiguous:    row = slice, columns = spatial / V; the unit's values share the slice;
+//   channels_last: row = n * spatial + s, columns = C / V; value k of the unit is
+//                  channel column * V + k of slice n * C + channel.
+template <typename T, Layout LAYOUT, int V>
+__global__ void __launch_bounds__(kThreads)
+    normalize_kernel(const ForwardProblem p, const float4* slice_stats, FastDivider columns, FastDivider spatial) {
+  __shared__ int64_t tile_row, tile_column, tile_n, tile_s;
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const int64_t num_units = p.num_slices() * p.spatial / V;
+  const int64_t num_tiles = (num_units + kSweepTile - 1) / kSweepTile;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    __syncthreads();  // the previous tile's readers are done with the shared base
+    if (threadIdx.x == 0) {
+      const int64_t base = tile * kSweepTile;
+      tile_row = base / columns.divisor;
+      tile_column = base - tile_row * columns.divisor;
+      if constexpr (LAYOUT == Layout::kChannelsLast) {
+        tile_n = tile_row / p.spatial;
+        tile_s = tile_row - tile_n * p.spatial;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kSweepUnroll; ++k) {
+      const int e = threadIdx.x + k * kThreads;
+      const int64_t unit = tile * kSweepTile + e;
+      if (unit >= num_units) break;
+      const unsigned t = static_cast<unsigned>(tile_column + e);
+      const unsigned q = columns.div(t);
+      float v[V];
+      load_values<T, V>(x, unit * V, v);
+      if constexpr (LAYOUT == Layout::kContiguous) {
+        const float4 s = slice_stats[tile_row + q];
+#pragma unroll
+        for (int i = 0; i < V; ++i) v[i] = (v[i] - s.x) * s.y + s.z;
+      } else {
+        const int64_t n = tile_n + spatial.div(static_cast<unsigned>(tile_s + q));
+        const int64_t first_slice = n * p.num_channels + static_cast<int64_t>(t - q * columns.divisor) * V;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float4 s = slice_stats[first_slice + i];
+          v[i] = (v[i] - s.x) * s.y + s.z;
+        }
+      }
+      store_values<T, V>(y, unit * V, v);
+    }
+  }
+}
+
+template <typename T, Layout LAYOUT>
+cudaError_t launch_normalize(const ForwardProblem& p, const float4* slice_stats, cudaStream_t stream) {
+  constexpr int kVector = Storage<T>::kPerVector;
+  const int64_t row_length = LAYOUT == Layout::kContiguous ? p.spatial : p.num_channels;
+  const bool vectors = row_length % kVector == 0 && aligned16(p.x) && aligned16(p.y);
+  const int v = vectors ? kVector : 1;
+  const FastDivider columns(static_cast<unsigned>(row_length / v));
+  const FastDivider spatial(static_cast<unsigned>(p.spatial));
+  const unsigned grid = grid_for(p.num_slices() * p.spatial / v, kSweepTile);
+  if (vectors) {
+    normalize_kernel<T, LAYOUT, kVector><<<grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
+  } else {
+    normalize_kernel<T, LAYOUT, 1><<<grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
+  }
+  return cudaGetLastError();
+}
+
+// Running statistics, one thread per channel; the sums over n are in double, in n order.
+__global__ void update_running_stats_kernel(float* running_mean, float* running_var, const float* mean,
+                                            const float* rstd, int64_t batch, int64_t channels, int64_t spatial,
+                                            float momentum, float eps) {
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < channels;
+       c += static_cast<int64_t>(gridDim.x) * kThreads) {
+    double mean_sum = 0.0, var_sum = 0.0;
+    for (int64_t n = 0; n < batch; ++n) {
+      const double r = rstd[n * channels + c];
+      mean_sum += mean[n * channels + c];
+      var_sum += fmax(1.0 / (r * r) - eps, 0.0);
+    }
+    const double unbiased = var_sum / batch * spatial / (spatial - 1);
+    running_mean[c] = static_cast<float>((1.0 - momentum) * running_mean[c] + momentum * (mean_sum / batch));
+    running_var[c] = static_cast<float>((1.0 - momentum) * running_var[c] + momentum * unbiased);
+  }
+}
+
+}  // namespace split_detail
+
+bool split_supported(const ForwardProblem& p) {
+  using namespace split_detail;
+  return p.spatial < (int64_t{1} << 30) && p.num_channels < (int64_t{1} << 30);
+}
+
+size_t split_workspace_bytes(const ForwardProblem& p) {
+  using namespace split_detail;
+  return static_cast<size_t>(partials_bytes(p) + p.num_slices() * static_cast<int64_t>(sizeof(float4)));
+}
+
+cudaError_t launch_split(const ForwardProblem& p, cudaStream_t stream) {
+  using namespace split_detail;
+  if (p.workspace == nullptr || !aligned16(p.workspace)) return cudaErrorInvalidValue;
+  auto* partials = static_cast<SliceStats*>(p.workspace);
+  auto* slice_stats = reinterpret_cast<float4*>(static_cast<char*>(p.workspace) + partials_bytes(p));
+  const int64_t chunks = chunks_per_slice(p);
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const bool contiguous = p.layout == Layout::kContiguous;
+    if (p.running_mean == nullptr) {
+      if (contiguous) {
+        partial_stats_contiguous_kernel<T><<<grid_for(p.num_slices() * chunks, 1), kThreads, 0, stream>>>(
+            p, chunks, partials);
+      } else {
+        const int64_t channel_tiles = (p.num_channels + kTileChannels - 1) / kTileChannels;
+        partial_stats_channels_last_kernel<T><<<grid_for(p.batch * chunks * channel_tiles, 1), kThreads, 0, stream>>>(
+            p, chunks, partials);
+      }
+      const cudaError_t error = cudaGetLastError();
+      if (error != cudaSuccess) return error;
+    }
+    slice_stats_kernel<<<grid_for(p.num_slices(), kThreads), kThreads, 0, stream>>>(p, chunks, partials, slice_stats);
+    const cudaError_t error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+    return contiguous ? launch_normalize<T, Layout::kContiguous>(p, slice_stats, stream)
+                      : launch_normalize<T, Layout::kChannelsLast>(p, slice_stats, stream);
+  });
+}
+
+cudaError_t update_running_stats(float* running_mean, float* running_var, const float* mean, const float* rstd,
+                                 int64_t batch, int64_t channels, int64_t spatial, float momentum, float eps,
+                                 cudaStream_t stream) {
+  using namespace split_detail;
+  if (channels <= 0 || batch <= 0) return cudaSuccess;
+  if (spatial <= 1) return cudaErrorInvalidValue;
+  update_running_stats_kernel<<<grid_for(channels, kThreads), kThreads, 0, stream>>>(
+      running_mean, running_var, mean, rstd, batch, channels, spatial, momentum, eps);
+  return cudaGetLastError();
+}
+
+}  // namespace instance_norm

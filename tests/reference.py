@@ -1,0 +1,55 @@
+"""Float64 references and helpers shared by the GPU tests."""
+import torch
+
+# Kernel paths (kernels/instance_norm.h, ForwardPath and BackwardPath).
+GENERIC, CLUSTER, WARP, SPLIT = 1, 2, 3, 4
+FORWARD_PATHS = (GENERIC, CLUSTER, WARP, SPLIT)
+BACKWARD_GENERIC, BACKWARD_CLUSTER = 1, 2
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Max abs error against float64 allowed per dtype: fp32 arithmetic, or one rounding of
+# the output (|y| up to ~5 for these inputs) to the 16-bit type.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def float64_stats(x):
+    """Per-slice mean and biased variance of x (N, C, *spatial) in float64, shape (N, C)."""
+    flat = x.double().reshape(x.shape[0], x.shape[1], -1)
+    mean = flat.mean(dim=2)
+    var = (flat - mean.unsqueeze(2)).square().mean(dim=2)
+    return mean, var
+
+
+def float64_reference(x, weight=None, bias=None, eps=1e-5, running_mean=None, running_var=None):
+    """Instance norm of x (N, C, *spatial) in float64 with the slices' statistics, or
+    with running_mean/var (C) when given."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    if running_mean is None:
+        mean, var = float64_stats(x)
+        mean, var = mean.view(*mean.shape, *(1,) * (x.dim() - 2)), var.view(*var.shape, *(1,) * (x.dim() - 2))
+    else:
+        mean, var = running_mean.double().view(shape), running_var.double().view(shape)
+    y = (x.double() - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        y = y * weight.double().view(shape)
+    if bias is not None:
+        y = y + bias.double().view(shape)
+    return y
+
+
+def run_poisoned(fn, like):
+    """fn() after filling the block its output (shaped like `like`) will take with NaN;
+    checks the output took that block, so unwritten elements show as NaN."""
+    poison = torch.full_like(like, float("nan"))
+    address = poison.data_ptr()
+    del poison
+    out = fn()
+    first = out[0] if isinstance(out, tuple) else out
+    assert first.data_ptr() == address, "output did not land in the poisoned block"
+    return out
+
+
+def channels_last(x):
+    """x with channels-last strides for any rank (channels_last, channels_last_3d, and 1d alike)."""
+    order = (0, *range(2, x.dim()), 1)
+    inverse = sorted(range(x.dim()), key=order.__getitem__)
+    return x.permute(order).contiguous().permute(inverse)
