@@ -105,21 +105,23 @@ torch::Tensor float_buffer(int64_t size, const torch::Tensor& like) {
   return torch::empty({size}, like.options().dtype(at::kFloat));
 }
 
-// Runs `problem` (x set) into a new tensor shaped and laid out as `x`; fills
-// problem.y and problem.workspace.
-torch::Tensor run_forward(const torch::Tensor& x, instance_norm::ForwardProblem& problem,
-                          instance_norm::ForwardPath path) {
+// A new tensor shaped, typed and laid out (contiguous or channels-last) as x.
+// Allocated before any other buffer of the call, so that tests which poison the
+// block a same-sized output will take see it land there.
+torch::Tensor new_output(const torch::Tensor& x) { return torch::empty_like(x); }
+
+// Runs `problem` (x set) into `output`; fills problem.y and problem.workspace.
+void run_forward(const torch::Tensor& x, const torch::Tensor& output, instance_norm::ForwardProblem& problem,
+                 instance_norm::ForwardPath path) {
   TORCH_CHECK(instance_norm::forward_path_supported(path, problem), "path ", text(static_cast<int>(path)),
               " cannot run ", text(problem.num_slices()), " slices of ", text(problem.spatial), " ", x.scalar_type(),
               " elements in this layout on this GPU (see kernels/instance_norm.h)");
-  torch::Tensor output = torch::empty_like(x);  // keeps x's (contiguous or channels-last) strides
   problem.y = output.data_ptr();  // before sizing the workspace: the path may depend on y's alignment
   const size_t workspace_bytes = instance_norm::forward_workspace_bytes(problem, path);
   torch::Tensor workspace;
   if (workspace_bytes > 0) workspace = torch::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
   C10_CUDA_CHECK(instance_norm::forward(problem, path, c10::cuda::getCurrentCUDAStream().stream()));
-  return output;
 }
 
 // input: CUDA tensor (N, C, *spatial) of float32, float16 or bfloat16, any strides
@@ -138,6 +140,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_with_stats(
   const instance_norm::ForwardPath forward_path = checked_path(path);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const auto [x, layout] = readable(input);
+  torch::Tensor output = new_output(x);
   const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", x);
   const std::optional<torch::Tensor> bias_f32 = channel_parameter(bias, "bias", x);
   instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
@@ -150,7 +153,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_with_stats(
   } else {
     mean = rstd = float_buffer(0, x);
   }
-  torch::Tensor output = run_forward(x, problem, forward_path);
+  run_forward(x, output, problem, forward_path);
   return {output, mean, rstd};
 }
 
@@ -177,6 +180,7 @@ torch::Tensor forward_eval(const torch::Tensor& input, const torch::Tensor& runn
   TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
   const c10::cuda::CUDAGuard device_guard(input.device());
   const auto [x, layout] = readable(input);
+  torch::Tensor output = new_output(x);
   const torch::Tensor mean_f32 = running_buffer(running_mean, "running_mean", x);
   const torch::Tensor var_f32 = running_buffer(running_var, "running_var", x);
   const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", x);
@@ -184,7 +188,8 @@ torch::Tensor forward_eval(const torch::Tensor& input, const torch::Tensor& runn
   instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
   problem.running_mean = mean_f32.data_ptr<float>();
   problem.running_var = var_f32.data_ptr<float>();
-  return run_forward(x, problem, instance_norm::ForwardPath::kAuto);
+  run_forward(x, output, problem, instance_norm::ForwardPath::kAuto);
+  return output;
 }
 
 // PyTorch's running-statistics update from forward_with_stats's mean and rstd
@@ -255,13 +260,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(const torch::Te
                   rstd.is_contiguous() && mean.numel() == num_slices && rstd.numel() == num_slices &&
                   mean.device() == input.device() && rstd.device() == input.device(),
               "backward: mean and rstd must be forward_with_stats's float32 (N * C) outputs on the input's device");
+  torch::Tensor grad_input = new_output(input);
   const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", input);
   instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, weight_f32);
   problem.mean = mean.data_ptr<float>();
   problem.rstd = rstd.data_ptr<float>();
   TORCH_CHECK(instance_norm::backward_path_supported(backward_path, problem), "backward path ", text(path),
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
-  torch::Tensor grad_input = torch::empty_like(input);
   torch::Tensor sum_dy = float_buffer(num_slices, input);
   torch::Tensor sum_dy_xhat = float_buffer(num_slices, input);
   problem.dx = grad_input.data_ptr();  // before sizing the workspace: the path may depend on dx's alignment

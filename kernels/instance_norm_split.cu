@@ -7,8 +7,11 @@
 //      a CTA per (slice, chunk of kChunk values); channels_last, a CTA per (n, chunk
 //      of kRowsPerChunk spatial rows, tile of 32 channels);
 //   2. one thread per slice combines its chunks in chunk order (Chan et al.) into
-//      {mean, rstd * weight, bias} (or takes running_mean/var in eval);
-//   3. an elementwise sweep y = (x - mean) * scale + bias over the flat tensor.
+//      {shift, mean, rstd * weight, bias} (or takes running_mean/var in eval);
+//   3. an elementwise sweep y = ((x - shift) - mean) * scale + bias over the flat tensor.
+// All statistics are of x - shift, shift = the slice's first value, as on the other
+// paths: chunk means stay small, so combining them loses nothing to the magnitude of
+// x (1e4 + 0.1 * randn keeps its precision), and a constant slice gives exactly 0.
 // Every reduction has a fixed order, so results are bit-identical run to run.
 #include "common.cuh"
 #include "split.h"
@@ -56,9 +59,17 @@ __device__ __forceinline__ SliceStats thread_stats(const float (&d)[N], int coun
   return stats;
 }
 
+// The slice's first value (its shift), for either layout.
+template <typename T>
+__device__ __forceinline__ float slice_shift(const ForwardProblem& p, int64_t slice) {
+  const int64_t n = slice / p.num_channels;
+  const int64_t first = p.layout == Layout::kContiguous ? slice * p.spatial
+                                                        : n * p.spatial * p.num_channels + (slice - n * p.num_channels);
+  return Storage<T>::to_float(__ldg(static_cast<const T*>(p.x) + first));
+}
+
 // Pass 1, contiguous: partials[slice * chunks + chunk] for chunks of kChunk values;
-// thread t reads values t + k * kThreads of its chunk (coalesced), shifted by the
-// chunk's first value; the stored mean is absolute (shift added back).
+// thread t reads values t + k * kThreads of its chunk (coalesced).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     partial_stats_contiguous_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
@@ -71,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t begin = (tile - slice * chunks) * kChunk;
     const int size = static_cast<int>(min(kChunk, p.spatial - begin));
     const T* chunk_x = x + slice * p.spatial + begin;
-    const float shift = S::to_float(__ldg(chunk_x));
+    const float shift = slice_shift<T>(p, slice);
     const int count = min(kValuesPerThread, max(0, (size - static_cast<int>(threadIdx.x) + kThreads - 1) / kThreads));
     float d[kValuesPerThread];
 #pragma unroll
@@ -79,14 +90,13 @@ __global__ void __launch_bounds__(kThreads)
       d[k] = k < count ? S::to_float(__ldg(chunk_x + threadIdx.x + k * kThreads)) - shift : 0.f;
     }
     const SliceStats total = BlockStatsReduce<kThreads>::allreduce(thread_stats(d, count), storage);
-    if (threadIdx.x == 0) partials[tile] = {total.count, shift + total.mean, total.m2};
+    if (threadIdx.x == 0) partials[tile] = total;
   }
 }
 
 // Pass 1, channels_last: a (32, 8) block covers 32 channels x kRowsPerChunk rows of
 // one n; thread (c, r) reads rows r + 8 k of channel c (a warp reads 32 consecutive
-// channels of one row), shifted by its channel's first row in the chunk. The 8 row
-// groups are combined in order through shared memory into
+// channels of one row). The 8 row groups are combined in order through shared memory into
 // partials[(n * C + c) * chunks + chunk].
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -107,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
     const int rows = static_cast<int>(min(static_cast<int64_t>(kRowsPerChunk), p.spatial - row_begin));
     const bool active = channel < p.num_channels;
     const T* column = x + (n * p.spatial + row_begin) * p.num_channels + channel;
-    const float shift = active ? S::to_float(__ldg(column)) : 0.f;
+    const float shift = active ? slice_shift<T>(p, n * p.num_channels + channel) : 0.f;
     const int count = active ? min(kValuesPerThread, max(0, (rows - ty + kTileRows - 1) / kTileRows)) : 0;
     float d[kValuesPerThread];
 #pragma unroll
@@ -120,36 +130,38 @@ __global__ void __launch_bounds__(kThreads)
       SliceStats total = row_groups[0][tx];
 #pragma unroll
       for (int r = 1; r < kTileRows; ++r) total = combine(total, row_groups[r][tx]);
-      partials[(n * p.num_channels + channel) * chunks + chunk] = {total.count, shift + total.mean, total.m2};
+      partials[(n * p.num_channels + channel) * chunks + chunk] = total;
     }
     __syncthreads();  // row_groups is rewritten by the next tile
   }
 }
 
-// Pass 2: per slice {mean, rstd * weight[c], bias[c], 0}; the slice's statistics are
-// its chunks' partials combined in chunk order (and saved to the optional outputs),
-// or running_mean[c] and running_var[c] in eval.
+// Pass 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]}; the
+// slice's statistics are its chunks' partials combined in chunk order (and saved to
+// the optional outputs), or running_mean[c] and running_var[c] in eval (shift 0).
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
     slice_stats_kernel(const ForwardProblem p, int64_t chunks, const SliceStats* partials, float4* slice_stats) {
   const int64_t num_slices = p.num_slices();
   for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; slice < num_slices;
        slice += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t channel = slice % p.num_channels;
-    float mean, rstd;
+    float shift = 0.f, mean, rstd;
     if (p.running_mean != nullptr) {
       mean = __ldg(p.running_mean + channel);
       rstd = rsqrtf(__ldg(p.running_var + channel) + p.eps);
     } else {
+      shift = slice_shift<T>(p, slice);
       SliceStats total = partials[slice * chunks];
       for (int64_t j = 1; j < chunks; ++j) total = combine(total, partials[slice * chunks + j]);
       mean = total.mean;
       rstd = rsqrtf(total.m2 / static_cast<float>(p.spatial) + p.eps);
-      if (p.mean != nullptr) p.mean[slice] = mean;
+      if (p.mean != nullptr) p.mean[slice] = shift + mean;
       if (p.rstd != nullptr) p.rstd[slice] = rstd;
     }
     const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
     const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
-    slice_stats[slice] = make_float4(mean, rstd * weight, bias, 0.f);
+    slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
   }
 }
 
@@ -172,7 +184,7 @@ __device__ __forceinline__ void store_values(T* y, int64_t offset, const float (
   }
 }
 
-// Pass 3: y = (x - mean) * scale + bias with the float4 of the element's slice, over
+// Pass 3: y = ((x - shift) - mean) * scale + bias with the float4 of the element's slice, over
 // the flat tensor in units of V values (one vector, or one value where x, y or the
 // row length is not vector-aligned). Units are split into (row, column) per unit
 // with FastDivider, from a per-tile base that thread 0 splits in 64 bits:
@@ -211,14 +223,14 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (LAYOUT == Layout::kContiguous) {
         const float4 s = slice_stats[tile_row + q];
 #pragma unroll
-        for (int i = 0; i < V; ++i) v[i] = (v[i] - s.x) * s.y + s.z;
+        for (int i = 0; i < V; ++i) v[i] = ((v[i] - s.x) - s.y) * s.z + s.w;
       } else {
         const int64_t n = tile_n + spatial.div(static_cast<unsigned>(tile_s + q));
         const int64_t first_slice = n * p.num_channels + static_cast<int64_t>(t - q * columns.divisor) * V;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const float4 s = slice_stats[first_slice + i];
-          v[i] = (v[i] - s.x) * s.y + s.z;
+          v[i] = ((v[i] - s.x) - s.y) * s.z + s.w;
         }
       }
       store_values<T, V>(y, unit * V, v);
@@ -294,7 +306,7 @@ cudaError_t launch_split(const ForwardProblem& p, cudaStream_t stream) {
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
-    slice_stats_kernel<<<grid_for(p.num_slices(), kThreads), kThreads, 0, stream>>>(p, chunks, partials, slice_stats);
+    slice_stats_kernel<T><<<grid_for(p.num_slices(), kThreads), kThreads, 0, stream>>>(p, chunks, partials, slice_stats);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
     return contiguous ? launch_normalize<T, Layout::kContiguous>(p, slice_stats, stream)

@@ -11,7 +11,7 @@ namespace instance_norm {
 bool split_supported(const ForwardProblem& problem);
 
 // Workspace of launch_split: the per-chunk partial statistics (none with running
-// statistics), then one float4 {mean, rstd * weight, bias, 0} per slice.
+// statistics), then one float4 {shift, mean, rstd * weight, bias} per slice.
 size_t split_workspace_bytes(const ForwardProblem& problem);
 
 // Partial statistics per chunk (first read), their combination per slice, then the
