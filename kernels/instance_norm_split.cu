@@ -59,12 +59,11 @@ __device__ __forceinline__ SliceStats thread_stats(const float (&d)[N], int coun
   return stats;
 }
 
-// The slice's first value (its shift), for either layout.
+// The first value (the shift) of slice (n, channel), for either layout.
 template <typename T>
-__device__ __forceinline__ float slice_shift(const ForwardProblem& p, int64_t slice) {
-  const int64_t n = slice / p.num_channels;
-  const int64_t first = p.layout == Layout::kContiguous ? slice * p.spatial
-                                                        : n * p.spatial * p.num_channels + (slice - n * p.num_channels);
+__device__ __forceinline__ float slice_shift(const ForwardProblem& p, int64_t n, int64_t channel) {
+  const int64_t first = p.layout == Layout::kContiguous ? (n * p.num_channels + channel) * p.spatial
+                                                        : n * p.spatial * p.num_channels + channel;
   return Storage<T>::to_float(__ldg(static_cast<const T*>(p.x) + first));
 }
 
@@ -82,7 +81,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t begin = (tile - slice * chunks) * kChunk;
     const int size = static_cast<int>(min(kChunk, p.spatial - begin));
     const T* chunk_x = x + slice * p.spatial + begin;
-    const float shift = slice_shift<T>(p, slice);
+    const float shift = S::to_float(__ldg(x + slice * p.spatial));
     const int count = min(kValuesPerThread, max(0, (size - static_cast<int>(threadIdx.x) + kThreads - 1) / kThreads));
     float d[kValuesPerThread];
 #pragma unroll
@@ -117,7 +116,7 @@ __global__ void __launch_bounds__(kThreads)
     const int rows = static_cast<int>(min(static_cast<int64_t>(kRowsPerChunk), p.spatial - row_begin));
     const bool active = channel < p.num_channels;
     const T* column = x + (n * p.spatial + row_begin) * p.num_channels + channel;
-    const float shift = active ? slice_shift<T>(p, n * p.num_channels + channel) : 0.f;
+    const float shift = active ? slice_shift<T>(p, n, channel) : 0.f;
     const int count = active ? min(kValuesPerThread, max(0, (rows - ty + kTileRows - 1) / kTileRows)) : 0;
     float d[kValuesPerThread];
 #pragma unroll
@@ -145,13 +144,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t num_slices = p.num_slices();
   for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; slice < num_slices;
        slice += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t channel = slice % p.num_channels;
+    const int64_t n = slice / p.num_channels;
+    const int64_t channel = slice - n * p.num_channels;
     float shift = 0.f, mean, rstd;
     if (p.running_mean != nullptr) {
       mean = __ldg(p.running_mean + channel);
       rstd = rsqrtf(__ldg(p.running_var + channel) + p.eps);
     } else {
-      shift = slice_shift<T>(p, slice);
+      shift = slice_shift<T>(p, n, channel);
       SliceStats total = partials[slice * chunks];
       for (int64_t j = 1; j < chunks; ++j) total = combine(total, partials[slice * chunks + j]);
       mean = total.mean;
