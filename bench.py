@@ -86,6 +86,7 @@ def forward_rows(solution, x, args):
     rows = [("copy_ (limit)", lambda: copy_out.copy_(x)), (f"ours (path {solution._EXT.chosen_path(x)})", lambda: ours(x)),
             ("eager", lambda: eager(x))]
     if not args.no_compile:
+        torch._dynamo.reset()  # a fresh cache per shape: past the recompile limit dynamo falls back to eager
         compiled = torch.compile(eager)
         rows.append(("torch.compile", lambda: compiled(x)))
     if args.paths:
@@ -109,6 +110,7 @@ def backward_rows(solution, x, args):
     copy_out = torch.empty_like(x)
     candidates = [("ours", ours), ("eager", eager)]
     if not args.no_compile:
+        torch._dynamo.reset()
         candidates.append(("torch.compile", torch.compile(eager)))
     xg = x.detach().requires_grad_()
     expected = torch.autograd.grad(eager(xg), xg, dy)[0]

@@ -30,8 +30,9 @@ enum class ForwardPath : int {
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
   // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its
   // next slice in shared memory while it normalizes the current one. Contiguous,
-  // slices of up to 16 * 32,768 values, spatial a multiple of the 16-byte vector (4
-  // fp32 or 8 fp16/bf16 values), 16-byte aligned x and y.
+  // slices of up to 16 * 32,768 fp32 or 16 * 65,536 fp16/bf16 values, spatial a
+  // multiple of the 16-byte vector (4 fp32 or 8 fp16/bf16 values), 16-byte aligned
+  // x and y.
   kCluster = 2,
   // One warp per slice, many slices per CTA, the slice held in registers (read
   // once). Contiguous, spatial <= kWarpMaxSpatial, any alignment and GPU.

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(THREADS) forward_generic_kernel(const ForwardP
 // [r, r + 1) * THREADS * VALUES_PER_THREAD; thread t owns its 16-byte vectors
 // first + i * THREADS (coalesced across the CTA).
 // Per slice: wait for this thread's staged vectors, move them from shared memory
-// to float registers, start staging the next slice into the same shared memory
+// to registers, start staging the next slice into the same shared memory
 // with cp.async (so its HBM read overlaps everything below), take the mean and then
 // the centered M2 of the registers, merge them across the block (cub) and the cluster
 // (DSMEM, one cluster barrier), normalize the registers and write them. HBM is
@@ -172,26 +172,21 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     const float next_shift = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const float2 affine = slice_affine(p, slice);
 
-    float d[kVecs][kPer];
+    // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
+    // dtype, so a 16-bit CTA holds twice the values of a float32 one) and are
+    // converted to float at each of the three uses.
+    uint4 raw[kVecs];
     cp_async_wait_all();
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < valid) {
-        S::unpack(staged[i * THREADS + threadIdx.x], d[i]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) d[i][k] = 0.f;
-      }
-    }
+    for (int i = 0; i < kVecs; ++i) raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
+        float v[kPer];
+        S::unpack(raw[i], v);
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) {
-          d[i][k] -= shift;
-          sum += d[i][k];
-        }
+        for (int k = 0; k < kPer; ++k) sum += v[k] - shift;
       }
     }
     // The sum used every staged value this thread read, so they are all in
@@ -204,9 +199,11 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         if (i < valid) {
+          float v[kPer];
+          S::unpack(raw[i], v);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) {
-            const float deviation = d[i][k] - stats.mean;
+            const float deviation = (v[k] - shift) - stats.mean;
             stats.m2 += deviation * deviation;
           }
         }
@@ -220,10 +217,11 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
-        float out[kPer];
+        float v[kPer];
+        S::unpack(raw[i], v);
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) out[k] = (d[i][k] - mean) * scale + affine.y;
-        store_streaming(slice_y + first + i * THREADS, S::pack(out));
+        for (int k = 0; k < kPer; ++k) v[k] = ((v[k] - shift) - mean) * scale + affine.y;
+        store_streaming(slice_y + first + i * THREADS, S::pack(v));
       }
     }
     // After the stores, where the values' registers are free (saving earlier spills).
@@ -250,13 +248,14 @@ constexpr ClusterVariant cluster_variant(DType dtype) {
           forward_cluster_kernel<T, THREADS, VALUES>};
 }
 
-// 512 threads x 64 values: 128 KB of float registers plus the staged next slice
-// per CTA, one CTA per SM; a 512 x 512 slice takes a cluster of 8
+// 512 threads x 16 vectors: 128 KB of registers plus 128 KB of the staged next
+// slice per CTA, one CTA per SM. A 512 x 512 slice takes a cluster of 8 in fp32 (64
+// values per thread) and of 4 in fp16/bf16 (128 values per thread)
 // (docs/perf-notes.md compares shapes).
 constexpr ClusterVariant kClusterVariants[] = {
     cluster_variant<float, 512, 64>(DType::kFloat32),
-    cluster_variant<__half, 512, 64>(DType::kFloat16),
-    cluster_variant<__nv_bfloat16, 512, 64>(DType::kBFloat16),
+    cluster_variant<__half, 512, 128>(DType::kFloat16),
+    cluster_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
 };
 
 const ClusterVariant& cluster_variant_for(DType dtype) {

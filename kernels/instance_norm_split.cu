@@ -6,7 +6,7 @@
 //   1. partial statistics (count, mean, M2) of each chunk of each slice: contiguous,
 //      a CTA per (slice, chunk of kChunk values); channels_last, a CTA per (n, chunk
 //      of kRowsPerChunk spatial rows, tile of 32 channels);
-//   2. one thread per slice combines its chunks in chunk order (Chan et al.) into
+//   2. one warp per slice combines its chunks in a fixed order (Chan et al.) into
 //      {shift, mean, rstd * weight, bias} (or takes running_mean/var in eval);
 //   3. an elementwise sweep y = ((x - shift) - mean) * scale + bias over the flat tensor.
 // All statistics are of x - shift, shift = the slice's first value, as on the other
@@ -136,14 +136,19 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Pass 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]}; the
-// slice's statistics are its chunks' partials combined in chunk order (and saved to
-// the optional outputs), or running_mean[c] and running_var[c] in eval (shift 0).
+// slice's statistics are its chunks' partials combined (and saved to the optional
+// outputs), or running_mean[c] and running_var[c] in eval (shift 0). One warp per
+// slice: lane l combines chunks l, l + 32, ... in order, then the symmetric xor
+// butterfly (a fixed order: bit-identical run to run). A slice of 128^3 values has
+// 512 chunks, which one thread would walk with a dependent load each.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     slice_stats_kernel(const ForwardProblem p, int64_t chunks, const SliceStats* partials, float4* slice_stats) {
+  constexpr int kWarps = kThreads / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
   const int64_t num_slices = p.num_slices();
-  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; slice < num_slices;
-       slice += static_cast<int64_t>(gridDim.x) * kThreads) {
+  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; slice < num_slices;
+       slice += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t n = slice / p.num_channels;
     const int64_t channel = slice - n * p.num_channels;
     float shift = 0.f, mean, rstd;
@@ -152,16 +157,17 @@ __global__ void __launch_bounds__(kThreads)
       rstd = rsqrtf(__ldg(p.running_var + channel) + p.eps);
     } else {
       shift = slice_shift<T>(p, n, channel);
-      SliceStats total = partials[slice * chunks];
-      for (int64_t j = 1; j < chunks; ++j) total = combine(total, partials[slice * chunks + j]);
+      SliceStats total{0.f, 0.f, 0.f};
+      for (int64_t j = lane; j < chunks; j += kWarpSize) total = combine(total, partials[slice * chunks + j]);
+      total = warp_allreduce(total, CombineStats());
       mean = total.mean;
       rstd = rsqrtf(total.m2 / static_cast<float>(p.spatial) + p.eps);
-      if (p.mean != nullptr) p.mean[slice] = shift + mean;
-      if (p.rstd != nullptr) p.rstd[slice] = rstd;
+      if (lane == 0 && p.mean != nullptr) p.mean[slice] = shift + mean;
+      if (lane == 0 && p.rstd != nullptr) p.rstd[slice] = rstd;
     }
     const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
     const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
-    slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
+    if (lane == 0) slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
   }
 }
 
@@ -306,7 +312,8 @@ cudaError_t launch_split(const ForwardProblem& p, cudaStream_t stream) {
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
-    slice_stats_kernel<T><<<grid_for(p.num_slices(), kThreads), kThreads, 0, stream>>>(p, chunks, partials, slice_stats);
+    slice_stats_kernel<T><<<grid_for(p.num_slices(), kThreads / kWarpSize), kThreads, 0, stream>>>(p, chunks, partials,
+                                                                                              slice_stats);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
     return contiguous ? launch_normalize<T, Layout::kContiguous>(p, slice_stats, stream)

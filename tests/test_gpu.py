@@ -40,8 +40,10 @@ def check_paths(solution, x, weight=None, bias=None, expect_paths=None):
 
 
 # (N, C, *spatial), and the paths that can run it in fp32 (16-bit: the cluster path
-# also needs spatial % 8 == 0): tiny slices for the warp path, full and partly filled
-# clusters, one-CTA clusters, odd sizes, beyond cluster capacity, 1d and 3d, 70,016 slices.
+# needs spatial % 8 == 0 and holds up to twice the values, CLUSTER_CAPACITY): tiny
+# slices for the warp path, full and partly filled clusters, one-CTA clusters, odd
+# sizes, beyond cluster capacity, 1d and 3d, 70,016 slices.
+CLUSTER_CAPACITY = {torch.float32: 16 * 512 * 64, torch.float16: 16 * 512 * 128, torch.bfloat16: 16 * 512 * 128}
 SHAPES = [
     ((5, 7, 7, 7), {WARP, GENERIC, SPLIT}),
     ((2, 13, 16, 16), {WARP, GENERIC, CLUSTER, SPLIT}),
@@ -73,9 +75,9 @@ def test_every_path_matches_float64(solution, shape, fp32_paths, dtype):
     torch.manual_seed(hash(shape) % 2**31)
     x = (torch.randn(shape, device="cuda") * 3 + 1).to(dtype)
     spatial = x[0, 0].numel()
-    expect = set(fp32_paths)
-    if dtype != torch.float32 and spatial % 8:
-        expect.discard(CLUSTER)
+    expect = set(fp32_paths) - {CLUSTER}
+    if spatial % (4 if dtype == torch.float32 else 8) == 0 and spatial <= CLUSTER_CAPACITY[dtype]:
+        expect.add(CLUSTER)
     check_paths(solution, x, expect_paths=expect)
 
 
