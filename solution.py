@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 import torch.utils.cpp_extension
+from torch.autograd.function import once_differentiable
 from torch.utils.cpp_extension import load_inline
 
 _HEADER_FILES = ("common.cuh", "instance_norm.h", "split.h")
@@ -194,9 +195,10 @@ def _like_layout(t, like):
     return t.permute(order).contiguous().permute(inverse)
 
 
-# torch.library custom ops: the autograd, torch.compile and CUDA-graph face of the
-# kernels. Eager calls that need no gradient call _EXT directly (the op dispatch
-# costs microseconds that matter for small inputs).
+# torch.library custom ops with fake implementations and autograd: the face of the
+# kernels that torch.compile (fullgraph) traces. Eager calls use _EXT directly, or
+# _ForwardFunction when a gradient is needed (the op dispatch costs tens of
+# microseconds per call, which dominates small inputs).
 @torch.library.custom_op("instance_norm_cuda::forward", mutates_args=())
 def _forward_op(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -235,15 +237,40 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _forward_backward(ctx, grad_output, grad_mean, grad_rstd):
-    """Gradient of y only: mean and rstd are saved statistics, not differentiable outputs."""
+def _gradients(ctx, grad_output, backward):
+    """(grad_input, grad_weight, grad_bias, None) from the saved (input, weight, mean,
+    rstd) by `backward` (_EXT.backward, or the custom op under torch.compile). Only y
+    is differentiable: mean and rstd are saved statistics."""
     input, weight, mean, rstd = ctx.saved_tensors
-    grad_input, grad_weight, grad_bias = _backward_op(_like_layout(grad_output, input), input, mean, rstd, weight)
+    grad_input, grad_weight, grad_bias = backward(_like_layout(grad_output, input), input, mean, rstd, weight)
     return (grad_input, None if weight is None else grad_weight.to(weight.dtype),
             None if ctx.bias_dtype is None else grad_bias.to(ctx.bias_dtype), None)
 
 
+def _forward_backward(ctx, grad_output, grad_mean, grad_rstd):
+    return _gradients(ctx, grad_output, _backward_op)
+
+
 _forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+class _ForwardFunction(torch.autograd.Function):
+    """Eager autograd of the forward, calling the extension directly: the custom op's
+    dispatch costs tens of microseconds per call, which dominates small inputs. Same
+    saved tensors and gradients as _forward_op's autograd (which torch.compile uses);
+    the backward is not itself differentiable (double backward raises)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, eps):
+        y, mean, rstd = _EXT.forward_with_stats(input, weight, bias, eps)
+        _forward_setup_context(ctx, (input, weight, bias, eps), (y, mean, rstd))
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output, grad_mean, grad_rstd):
+        return _gradients(ctx, grad_output, _EXT.backward)
 
 
 @torch.library.custom_op("instance_norm_cuda::forward_eval", mutates_args=())
@@ -333,9 +360,10 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     dtype, in its layout when that is contiguous or channels-last (other strides
     give a contiguous result); the input is not modified.
 
-    CUDA float32, float16 and bfloat16 run the CUDA kernels (through torch.library
-    custom ops when autograd or torch.compile is involved); CPU and float64 inputs
-    run PyTorch's F.instance_norm. Raises TypeError for a non-floating input or
+    CUDA float32, float16 and bfloat16 run the CUDA kernels: directly in eager mode
+    (through a torch.autograd.Function when a gradient is needed), through
+    torch.library custom ops with autograd under torch.compile; CPU and float64
+    inputs run PyTorch's F.instance_norm. Raises TypeError for a non-floating input or
     parameter, ValueError for fewer than 3 dims, a single spatial element with
     use_input_stats, missing running statistics with use_input_stats=False, or a
     weight, bias or running buffer of the wrong size or device.
@@ -365,16 +393,20 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         if eager and not _needs_autograd(input, weight, bias):
             return _EXT.forward_eval(x, running_mean, running_var, weight, bias, eps)
         return _forward_eval_op(x, running_mean, running_var, weight, bias, eps)
-    if running_mean is None:
-        if eager and not _needs_autograd(input, weight, bias):
+    if eager:
+        if _needs_autograd(input, weight, bias):
+            y, mean, rstd = _ForwardFunction.apply(x, weight, bias, eps)
+        elif running_mean is None:
             return _EXT.forward(x, weight, bias, eps)
-        return _forward_op(x, weight, bias, eps)[0]
-    if eager and not _needs_autograd(input, weight, bias):
-        y, mean, rstd = _EXT.forward_with_stats(x, weight, bias, eps)
-        _EXT.update_running_stats(running_mean, running_var, mean, rstd, x.shape[0], math.prod(x.shape[2:]),
-                                  float(momentum), eps)
+        else:
+            y, mean, rstd = _EXT.forward_with_stats(x, weight, bias, eps)
+        if running_mean is not None:
+            _EXT.update_running_stats(running_mean, running_var, mean, rstd, x.shape[0], math.prod(x.shape[2:]),
+                                      float(momentum), eps)
         return y
     y, mean, rstd = _forward_op(x, weight, bias, eps)
+    if running_mean is None:
+        return y
     _update_running_stats_op(running_mean, running_var, mean.detach(), rstd.detach(), x.shape[0], math.prod(x.shape[2:]),
                              float(momentum), eps)
     return y

@@ -24,9 +24,9 @@ enum class Layout : int { kContiguous = 0, kChannelsLast = 1 };
 // (tests and bench.py use them to exercise and time every path).
 enum class ForwardPath : int {
   kAuto = 0,
-  // One CTA per slice, contiguous, any spatial size, alignment and GPU; reads the
-  // slice twice (the second sweep hits L2 for slices up to a few hundred KB).
-  kGeneric = 1,
+  // One CTA per slice, many slices per SM, the slice held in registers (read once).
+  // Contiguous, spatial <= kBlockMaxSpatial, any alignment and GPU.
+  kBlock = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
   // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its
   // next slice in shared memory while it normalizes the current one. Contiguous,
@@ -44,6 +44,7 @@ enum class ForwardPath : int {
 };
 constexpr int kNumForwardPaths = 5;
 constexpr int64_t kWarpMaxSpatial = 1024;
+constexpr int64_t kBlockMaxSpatial = 16384;
 
 // y[n, c, s] = (x[n, c, s] - mean) * rstd * weight[c] + bias[c], rstd = 1 / sqrt(var + eps),
 // where mean and the biased var are those of the slice (n, c) taken in float32

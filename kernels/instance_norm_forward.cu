@@ -1,5 +1,5 @@
 // InstanceNorm forward on contiguous (num_slices, spatial) data of float32,
-// float16 or bfloat16: the warp-per-slice, generic and cluster-resident kernels,
+// float16 or bfloat16: the warp- and CTA-per-slice and cluster-resident kernels,
 // and the one place that chooses a path (the split path and the eval-mode sweep
 // are in instance_norm_split.cu).
 #include "common.cuh"
@@ -30,89 +30,75 @@ __device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_
   if (p.rstd != nullptr) p.rstd[slice] = rstd;
 }
 
-// Warp path: one warp per slice of at most 32 * VALUES values, many slices per CTA
-// (grid-stride over slices), any alignment and GPU. Lane l holds elements l + 32 k in
-// registers (each load instruction of the warp reads consecutive elements), so the
-// slice is read once; the mean and then the centered M2 are summed with xor
-// butterflies, which leave every lane with the same bits. Shifted by the slice's
+// Row paths, for slices that fit one warp (kWarp) or one CTA (kBlock): a group of
+// GROUP threads (a warp, or the whole CTA) per slice, grid-stride over slices, any
+// alignment and GPU. Thread t of the group holds elements t + GROUP k (k < VALUES) in
+// registers, so the slice is read once and each load instruction of a warp reads
+// consecutive elements; many groups are resident per SM, so many slices are in
+// flight at once. The mean and then the centered M2 are summed over the group (an
+// xor butterfly, or cub::BlockReduce, both in a fixed order). Shifted by the slice's
 // first element, as the other paths.
-constexpr int kWarpThreads = 256;
+// CTA sizes: 512 threads (16 warp groups) for the warp path, 1024 (one group) for
+// the block path; both at most 64 registers per thread, so two 512-thread or one
+// 1024-thread CTA per SM hold up to 2 x 16,384 fp32 values in flight per SM.
+constexpr int kWarpPathThreads = 512;
+constexpr int kBlockPathThreads = 1024;
 
-template <typename T, int VALUES>
-__global__ void __launch_bounds__(kWarpThreads) forward_warp_kernel(const ForwardProblem p) {
+template <int GROUP>
+__host__ __device__ constexpr int row_cta_threads() {
+  return GROUP == kWarpSize ? kWarpPathThreads : GROUP;
+}
+
+// Sum of v over the group, returned to every thread of it.
+template <int GROUP>
+__device__ __forceinline__ float group_sum(float v, typename BlockAllReduce<float, GROUP, Sum>::TempStorage& storage) {
+  if constexpr (GROUP == kWarpSize) {
+    return warp_allreduce(v, Sum());
+  } else {
+    return BlockAllReduce<float, GROUP, Sum>::allreduce(v, storage);
+  }
+}
+
+template <typename T, int GROUP, int VALUES>
+__global__ void __launch_bounds__(row_cta_threads<GROUP>(), 65536 / 64 / row_cta_threads<GROUP>())
+    forward_rows_kernel(const ForwardProblem p) {
+  static_assert(GROUP == kWarpSize || GROUP == kBlockPathThreads, "a warp or the whole CTA per slice");
   using S = Storage<T>;
-  constexpr int kWarps = kWarpThreads / kWarpSize;
+  constexpr int kGroups = row_cta_threads<GROUP>() / GROUP;
+  __shared__ typename BlockAllReduce<float, GROUP, Sum>::TempStorage storage;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const int lane = threadIdx.x % kWarpSize;
+  const int rank = threadIdx.x % GROUP;
   const int spatial = static_cast<int>(p.spatial);
   const int64_t num_slices = p.num_slices();
-  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; slice < num_slices;
-       slice += static_cast<int64_t>(gridDim.x) * kWarps) {
+  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kGroups + threadIdx.x / GROUP; slice < num_slices;
+       slice += static_cast<int64_t>(gridDim.x) * kGroups) {
     const T* slice_x = x + slice * spatial;
     const float shift = S::to_float(__ldg(slice_x));
     float d[VALUES];
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
-      const int i = lane + k * kWarpSize;
+      const int i = rank + k * GROUP;
       d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) - shift : 0.f;
       sum += d[k];
     }
-    const float mean = warp_allreduce(sum, Sum()) / static_cast<float>(spatial);
+    const float mean = group_sum<GROUP>(sum, storage) / static_cast<float>(spatial);
     float m2 = 0.f;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
-      const float deviation = lane + k * kWarpSize < spatial ? d[k] - mean : 0.f;
+      const float deviation = rank + k * GROUP < spatial ? d[k] - mean : 0.f;
       m2 += deviation * deviation;
     }
-    const float rstd = rsqrtf(warp_allreduce(m2, Sum()) / static_cast<float>(spatial) + p.eps);
-    if (lane == 0) save_slice_stats(p, slice, shift + mean, rstd);
+    const float rstd = rsqrtf(group_sum<GROUP>(m2, storage) / static_cast<float>(spatial) + p.eps);
+    if (rank == 0) save_slice_stats(p, slice, shift + mean, rstd);
     const float2 affine = slice_affine(p, slice);
     const float scale = rstd * affine.x;
     T* slice_y = y + slice * spatial;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
-      const int i = lane + k * kWarpSize;
+      const int i = rank + k * GROUP;
       if (i < spatial) slice_y[i] = S::from_float((d[k] - mean) * scale + affine.y);
-    }
-  }
-}
-
-// Generic path: one CTA per slice (grid-stride over slices), any spatial size,
-// alignment and GPU. The first sweep runs Welford's update over each thread's strided
-// elements, then a block reduction; a second sweep reads the slice again and
-// writes it.
-// Values are shifted by the slice's first element before any statistics, so a
-// constant slice gives exactly 0 (d = 0, mean = 0) whatever its magnitude.
-constexpr int kGenericThreads = 512;
-
-template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS) forward_generic_kernel(const ForwardProblem p) {
-  using S = Storage<T>;
-  __shared__ typename BlockStatsReduce<THREADS>::TempStorage storage;
-  const T* x = static_cast<const T*>(p.x);
-  T* y = static_cast<T*>(p.y);
-  const int64_t num_slices = p.num_slices();
-  for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
-    const T* slice_x = x + slice * p.spatial;
-    T* slice_y = y + slice * p.spatial;
-    const float shift = S::to_float(__ldg(slice_x));
-    const float2 affine = slice_affine(p, slice);
-    SliceStats stats{0.f, 0.f, 0.f};
-    for (int64_t i = threadIdx.x; i < p.spatial; i += THREADS) {
-      const float d = S::to_float(__ldg(slice_x + i)) - shift;
-      stats.count += 1.f;
-      const float delta = d - stats.mean;
-      stats.mean += delta / stats.count;
-      stats.m2 += delta * (d - stats.mean);
-    }
-    stats = BlockStatsReduce<THREADS>::allreduce(stats, storage);
-    const float rstd = rsqrtf(stats.m2 / static_cast<float>(p.spatial) + p.eps);
-    if (threadIdx.x == 0) save_slice_stats(p, slice, shift + stats.mean, rstd);
-    const float scale = rstd * affine.x;
-    for (int64_t i = threadIdx.x; i < p.spatial; i += THREADS) {
-      slice_y[i] = S::from_float(((S::to_float(__ldg(slice_x + i)) - shift) - stats.mean) * scale + affine.y);
     }
   }
 }
@@ -292,43 +278,47 @@ cudaError_t launch_cluster(const ForwardProblem& p, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, v.kernel, p);
 }
 
-cudaError_t launch_generic(const ForwardProblem& p, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto tag) {
-    forward_generic_kernel<decltype(tag), kGenericThreads><<<grid_for(p.num_slices(), 1), kGenericThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  });
+template <typename T, int GROUP, int VALUES>
+cudaError_t launch_rows(const ForwardProblem& p, cudaStream_t stream) {
+  constexpr int kThreads = row_cta_threads<GROUP>();
+  forward_rows_kernel<T, GROUP, VALUES><<<grid_for(p.num_slices(), kThreads / GROUP), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
-// The smallest VALUES in {2, 8, 32} with 32 * VALUES >= spatial.
+// The smallest variant that holds the slice: a warp of 32 x {2, 8, 32} values, or a
+// CTA of 1024 x {4, 8, 16}.
 cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
-  const unsigned num_ctas = grid_for(p.num_slices(), kWarpThreads / kWarpSize);
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (p.spatial <= 2 * kWarpSize) {
-      forward_warp_kernel<T, 2><<<num_ctas, kWarpThreads, 0, stream>>>(p);
-    } else if (p.spatial <= 8 * kWarpSize) {
-      forward_warp_kernel<T, 8><<<num_ctas, kWarpThreads, 0, stream>>>(p);
-    } else {
-      forward_warp_kernel<T, 32><<<num_ctas, kWarpThreads, 0, stream>>>(p);
-    }
-    return cudaGetLastError();
+    if (p.spatial <= 2 * kWarpSize) return launch_rows<T, kWarpSize, 2>(p, stream);
+    if (p.spatial <= 8 * kWarpSize) return launch_rows<T, kWarpSize, 8>(p, stream);
+    return launch_rows<T, kWarpSize, 32>(p, stream);
   });
 }
 
-// Largest slice the generic path is chosen for: its second sweep still finds the
-// slice in L2 (132 SMs x 4 CTAs x 64 KB in flight is about half of H200's L2).
-constexpr int64_t kGenericMaxSpatial = 16384;
+cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (p.spatial <= 4 * kBlockPathThreads) return launch_rows<T, kBlockPathThreads, 4>(p, stream);
+    if (p.spatial <= 8 * kBlockPathThreads) return launch_rows<T, kBlockPathThreads, 8>(p, stream);
+    return launch_rows<T, kBlockPathThreads, 16>(p, stream);
+  });
+}
 
 }  // namespace forward_detail
 
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
+static_assert(kBlockMaxSpatial == 16 * forward_detail::kBlockPathThreads,
+              "the block path's largest variant holds 16 values per thread");
 
+// Slices that fit a warp or a CTA take the row paths, which keep many slices in
+// flight per SM; larger ones the cluster path where it runs, else the split path.
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
   if (problem.layout != Layout::kContiguous) return ForwardPath::kSplit;
   if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
-  if (cluster_supported(problem)) return ForwardPath::kCluster;
-  return problem.spatial <= kGenericMaxSpatial ? ForwardPath::kGeneric : ForwardPath::kSplit;
+  if (problem.spatial <= kBlockMaxSpatial) return ForwardPath::kBlock;
+  return cluster_supported(problem) ? ForwardPath::kCluster : ForwardPath::kSplit;
 }
 
 bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
@@ -336,7 +326,7 @@ bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
   const bool contiguous = problem.layout == Layout::kContiguous;
   switch (path) {
     case ForwardPath::kAuto: return true;
-    case ForwardPath::kGeneric: return contiguous;
+    case ForwardPath::kBlock: return contiguous && problem.spatial <= kBlockMaxSpatial;
     case ForwardPath::kCluster: return cluster_supported(problem);
     case ForwardPath::kWarp: return contiguous && problem.spatial <= kWarpMaxSpatial;
     case ForwardPath::kSplit: return split_supported(problem);
@@ -358,7 +348,7 @@ cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_
   if (path == ForwardPath::kAuto) path = choose_forward_path(problem);
   if (problem.running_mean != nullptr || path == ForwardPath::kSplit) return launch_split(problem, stream);
   switch (path) {
-    case ForwardPath::kGeneric: return launch_generic(problem, stream);
+    case ForwardPath::kBlock: return launch_block(problem, stream);
     case ForwardPath::kWarp: return launch_warp(problem, stream);
     default: return launch_cluster(problem, stream);
   }

@@ -59,6 +59,25 @@ __device__ __forceinline__ SliceStats thread_stats(const float (&d)[N], int coun
   return stats;
 }
 
+// V values of x at `offset` (V = 1, or one 16-byte vector) as float.
+template <typename T, int V>
+__device__ __forceinline__ void load_values(const T* x, int64_t offset, float (&out)[V]) {
+  if constexpr (V == 1) {
+    out[0] = Storage<T>::to_float(__ldg(x + offset));
+  } else {
+    Storage<T>::unpack(__ldg(reinterpret_cast<const uint4*>(x + offset)), out);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_values(T* y, int64_t offset, const float (&in)[V]) {
+  if constexpr (V == 1) {
+    y[offset] = Storage<T>::from_float(in[0]);
+  } else {
+    store_streaming(reinterpret_cast<uint4*>(y + offset), Storage<T>::pack(in));
+  }
+}
+
 // The first value (the shift) of slice (n, channel), for either layout.
 template <typename T>
 __device__ __forceinline__ float slice_shift(const ForwardProblem& p, int64_t n, int64_t channel) {
@@ -68,27 +87,36 @@ __device__ __forceinline__ float slice_shift(const ForwardProblem& p, int64_t n,
 }
 
 // Pass 1, contiguous: partials[slice * chunks + chunk] for chunks of kChunk values;
-// thread t reads values t + k * kThreads of its chunk (coalesced).
-template <typename T>
+// thread t reads units t + k * kThreads of its chunk (coalesced), a unit being V
+// values: one 16-byte vector where x and spatial allow, else one value.
+template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     partial_stats_contiguous_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
-  using S = Storage<T>;
+  constexpr int kUnits = kValuesPerThread / V;
   __shared__ typename BlockStatsReduce<kThreads>::TempStorage storage;
   const T* x = static_cast<const T*>(p.x);
   const int64_t num_tiles = p.num_slices() * chunks;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t slice = tile / chunks;
     const int64_t begin = (tile - slice * chunks) * kChunk;
-    const int size = static_cast<int>(min(kChunk, p.spatial - begin));
+    const int size = static_cast<int>(min(kChunk, p.spatial - begin));  // a multiple of V
     const T* chunk_x = x + slice * p.spatial + begin;
-    const float shift = S::to_float(__ldg(x + slice * p.spatial));
-    const int count = min(kValuesPerThread, max(0, (size - static_cast<int>(threadIdx.x) + kThreads - 1) / kThreads));
+    const float shift = Storage<T>::to_float(__ldg(x + slice * p.spatial));
+    const int units = min(kUnits, max(0, (size / V - static_cast<int>(threadIdx.x) + kThreads - 1) / kThreads));
     float d[kValuesPerThread];
 #pragma unroll
-    for (int k = 0; k < kValuesPerThread; ++k) {
-      d[k] = k < count ? S::to_float(__ldg(chunk_x + threadIdx.x + k * kThreads)) - shift : 0.f;
+    for (int k = 0; k < kUnits; ++k) {
+      float v[V];
+      if (k < units) {
+        load_values<T, V>(chunk_x, (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V, v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = shift;
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) d[k * V + j] = v[j] - shift;
     }
-    const SliceStats total = BlockStatsReduce<kThreads>::allreduce(thread_stats(d, count), storage);
+    const SliceStats total = BlockStatsReduce<kThreads>::allreduce(thread_stats(d, units * V), storage);
     if (threadIdx.x == 0) partials[tile] = total;
   }
 }
@@ -168,25 +196,6 @@ __global__ void __launch_bounds__(kThreads)
     const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
     const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
     if (lane == 0) slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
-  }
-}
-
-// V values of x at `offset` (V = 1, or one 16-byte vector) as float.
-template <typename T, int V>
-__device__ __forceinline__ void load_values(const T* x, int64_t offset, float (&out)[V]) {
-  if constexpr (V == 1) {
-    out[0] = Storage<T>::to_float(__ldg(x + offset));
-  } else {
-    Storage<T>::unpack(__ldg(reinterpret_cast<const uint4*>(x + offset)), out);
-  }
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store_values(T* y, int64_t offset, const float (&in)[V]) {
-  if constexpr (V == 1) {
-    y[offset] = Storage<T>::from_float(in[0]);
-  } else {
-    store_streaming(reinterpret_cast<uint4*>(y + offset), Storage<T>::pack(in));
   }
 }
 
@@ -302,8 +311,13 @@ cudaError_t launch_split(const ForwardProblem& p, cudaStream_t stream) {
     const bool contiguous = p.layout == Layout::kContiguous;
     if (p.running_mean == nullptr) {
       if (contiguous) {
-        partial_stats_contiguous_kernel<T><<<grid_for(p.num_slices() * chunks, 1), kThreads, 0, stream>>>(
-            p, chunks, partials);
+        constexpr int kVector = Storage<T>::kPerVector;
+        const unsigned grid = grid_for(p.num_slices() * chunks, 1);
+        if (p.spatial % kVector == 0 && aligned16(p.x)) {
+          partial_stats_contiguous_kernel<T, kVector><<<grid, kThreads, 0, stream>>>(p, chunks, partials);
+        } else {
+          partial_stats_contiguous_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p, chunks, partials);
+        }
       } else {
         const int64_t channel_tiles = (p.num_channels + kTileChannels - 1) / kTileChannels;
         partial_stats_channels_last_kernel<T><<<grid_for(p.batch * chunks * channel_tiles, 1), kThreads, 0, stream>>>(

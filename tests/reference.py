@@ -2,8 +2,8 @@
 import torch
 
 # Kernel paths (kernels/instance_norm.h, ForwardPath and BackwardPath).
-GENERIC, CLUSTER, WARP, SPLIT = 1, 2, 3, 4
-FORWARD_PATHS = (GENERIC, CLUSTER, WARP, SPLIT)
+BLOCK, CLUSTER, WARP, SPLIT = 1, 2, 3, 4
+FORWARD_PATHS = (BLOCK, CLUSTER, WARP, SPLIT)
 BACKWARD_GENERIC, BACKWARD_CLUSTER = 1, 2
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Max abs error against float64 allowed per dtype: fp32 arithmetic, or one rounding of

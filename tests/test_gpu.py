@@ -4,7 +4,9 @@ numerics PyTorch gets wrong; determinism; limits."""
 import pytest
 import torch
 
-from reference import (CLUSTER, DTYPES, FORWARD_PATHS, GENERIC, SPLIT, TOLERANCE, WARP, channels_last,
+import math
+
+from reference import (BLOCK, CLUSTER, DTYPES, FORWARD_PATHS, SPLIT, TOLERANCE, WARP, channels_last,
                        float64_reference, float64_stats, run_poisoned)
 
 pytestmark = pytest.mark.gpu
@@ -39,46 +41,44 @@ def check_paths(solution, x, weight=None, bias=None, expect_paths=None):
     return paths
 
 
-# (N, C, *spatial), and the paths that can run it in fp32 (16-bit: the cluster path
-# needs spatial % 8 == 0 and holds up to twice the values, CLUSTER_CAPACITY): tiny
-# slices for the warp path, full and partly filled clusters, one-CTA clusters, odd
-# sizes, beyond cluster capacity, 1d and 3d, 70,016 slices.
+# Largest slice each path holds (kernels/instance_norm.h); the cluster path also
+# needs spatial to be a multiple of the 16-byte vector (4 fp32, 8 fp16/bf16 values).
+WARP_MAX, BLOCK_MAX = 1024, 16384
 CLUSTER_CAPACITY = {torch.float32: 16 * 512 * 64, torch.float16: 16 * 512 * 128, torch.bfloat16: 16 * 512 * 128}
-SHAPES = [
-    ((5, 7, 7, 7), {WARP, GENERIC, SPLIT}),
-    ((2, 13, 16, 16), {WARP, GENERIC, CLUSTER, SPLIT}),
-    ((3, 5, 32, 32), {WARP, GENERIC, CLUSTER, SPLIT}),
-    ((2, 2, 2, 2), {WARP, GENERIC, CLUSTER, SPLIT}),
-    ((2, 4, 64, 64), {GENERIC, CLUSTER, SPLIT}),
-    ((2, 3, 33, 31), {WARP, GENERIC, SPLIT}),
-    ((2, 3, 45, 45), {GENERIC, SPLIT}),
-    ((4, 8, 100, 100), {GENERIC, CLUSTER, SPLIT}),
-    ((3, 5, 300, 300), {GENERIC, CLUSTER, SPLIT}),
-    ((2, 3, 512, 512), {GENERIC, CLUSTER, SPLIT}),
-    ((1, 3, 724, 724), {GENERIC, CLUSTER, SPLIT}),
-    ((1, 2, 1024, 1024), {GENERIC, SPLIT}),
-    ((2, 3, 1000), {WARP, GENERIC, CLUSTER, SPLIT}),
-    ((2, 3, 5000), {GENERIC, CLUSTER, SPLIT}),
-    ((1, 2, 80, 96, 96), {GENERIC, SPLIT}),
-    ((1, 2, 64, 64, 64), {GENERIC, CLUSTER, SPLIT}),
-    ((70000 // 64 + 1, 64, 4, 4), {WARP, GENERIC, CLUSTER, SPLIT}),
-]
+
+
+def expected_paths(shape, dtype):
+    """The forward paths that can run a contiguous, aligned input of this shape on a Hopper GPU."""
+    spatial = math.prod(shape[2:])
+    paths = {SPLIT}
+    if spatial <= WARP_MAX:
+        paths.add(WARP)
+    if spatial <= BLOCK_MAX:
+        paths.add(BLOCK)
+    if spatial % (4 if dtype == torch.float32 else 8) == 0 and spatial <= CLUSTER_CAPACITY[dtype]:
+        paths.add(CLUSTER)
+    return paths
+
+
+# Tiny slices (warp path), CTA-sized ones (block path), full and partly filled
+# clusters, one-CTA clusters, odd sizes, beyond cluster capacity in fp32 or in all
+# dtypes, 1d and 3d, 70,016 slices.
+SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
+          (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 512, 512), (1, 3, 724, 724),
+          (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96), (1, 2, 64, 64, 64),
+          (70000 // 64 + 1, 64, 4, 4)]
 
 
 def shape_id(shape):
     return "x".join(map(str, shape))
 
 
-@pytest.mark.parametrize("shape, fp32_paths", SHAPES, ids=[shape_id(s) for s, _ in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_path_matches_float64(solution, shape, fp32_paths, dtype):
+def test_every_path_matches_float64(solution, shape, dtype):
     torch.manual_seed(hash(shape) % 2**31)
     x = (torch.randn(shape, device="cuda") * 3 + 1).to(dtype)
-    spatial = x[0, 0].numel()
-    expect = set(fp32_paths) - {CLUSTER}
-    if spatial % (4 if dtype == torch.float32 else 8) == 0 and spatial <= CLUSTER_CAPACITY[dtype]:
-        expect.add(CLUSTER)
-    check_paths(solution, x, expect_paths=expect)
+    check_paths(solution, x, expect_paths=expected_paths(shape, dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -195,7 +195,10 @@ def test_automatic_path_per_size(solution):
     assert chosen(112, 64, 512, 512) == CLUSTER
     assert chosen(2, 1280, 16, 16) == WARP
     assert chosen(2, 3, 33, 31) == WARP
-    assert chosen(2, 3, 45, 45) == GENERIC
+    assert chosen(2, 3, 45, 45) == BLOCK
+    assert chosen(2, 320, 128, 128) == BLOCK
+    assert chosen(1, 2, 1024, 1024) == SPLIT
+    assert chosen(1, 2, 1024, 1024, dtype=torch.bfloat16) == CLUSTER
     assert chosen(1, 32, 128, 128, 128) == SPLIT
     assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == SPLIT
 
@@ -207,7 +210,7 @@ def test_forced_path_that_cannot_run_is_refused(solution):
     with pytest.raises(RuntimeError, match="cannot run"):
         solution._EXT.forward(x, path=WARP)
     with pytest.raises(RuntimeError, match="cannot run"):
-        solution._EXT.forward(channels_last(torch.rand(2, 3, 8, 8, device="cuda")), path=GENERIC)
+        solution._EXT.forward(channels_last(torch.rand(2, 3, 8, 8, device="cuda")), path=BLOCK)
 
 
 def test_more_than_2_pow_31_elements(solution):
