@@ -14,7 +14,8 @@ is preceded by a 256 MB write that flushes L2 and is bracketed by CUDA events;
 after warm-up, the median of --runs is reported with the time over the copy's
 and the speedup over eager and over torch.compile.
 
---paths also times every forced kernel path that can run the shape. --suite runs
+--paths also times every forced kernel path that can run the shape (with
+--backward: the backward kernels alone, called directly). --suite runs
 the shape list of issue #3 (SUITE) in each of --dtypes and prints one table.
 --backward times, instead of the forward, the backward alone (autograd.grad of a
 retained graph) and forward + backward, whose limit is 1.5x the copy (read x and
@@ -114,12 +115,23 @@ def backward_rows(solution, x, args):
         candidates.append(("torch.compile", torch.compile(eager)))
     xg = x.detach().requires_grad_()
     expected = torch.autograd.grad(eager(xg), xg, dy)[0]
-    (got,) = torch.autograd.grad(ours(xg), xg, dy)
-    scale = expected.abs().max().item()
-    if (got.float() - expected.float()).abs().max().item() > tolerance * max(scale, 1.0):
-        raise SystemExit(f"bench.py: our gradient differs from PyTorch on {tuple(x.shape)} {x.dtype}; no speed reported")
-    del got, expected
+    limit = tolerance * max(expected.abs().max().item(), 1.0)
+
+    def check(got, what):
+        if (got.float() - expected.float()).abs().max().item() > limit:
+            raise SystemExit(f"bench.py: {what} differs from PyTorch's gradient on {tuple(x.shape)} {x.dtype}; "
+                             "no speed reported")
+
+    check(torch.autograd.grad(ours(xg), xg, dy)[0], "our gradient")
     rows = [("copy_ (limit)", lambda: copy_out.copy_(x))]
+    if args.paths:
+        _, mean, rstd = solution._EXT.forward_with_stats(x)
+        for path in (1, 2):
+            if solution._EXT.backward_path_supported(x, path):
+                check(solution._EXT.backward(dy, x, mean, rstd, None, path)[0], f"backward path {path}")
+                rows.append((f"backward path {path}",
+                             lambda path=path: solution._EXT.backward(dy, x, mean, rstd, None, path)))
+    del expected
     for name, module in candidates:
         y = module(xg)
         rows.append((f"{name} backward", lambda y=y: torch.autograd.grad(y, xg, dy, retain_graph=True)))
@@ -180,7 +192,7 @@ def main(argv=None):
     parser.add_argument("--backward", action="store_true", help="time the backward and forward + backward")
     parser.add_argument("--runs", type=int, default=30, help="timed runs per row (default 30, at least 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
-    parser.add_argument("--paths", action="store_true", help="also time every forced forward path that can run the shape")
+    parser.add_argument("--paths", action="store_true", help="also time every forced kernel path that can run the shape")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     args = parser.parse_args(argv)

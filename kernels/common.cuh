@@ -188,13 +188,20 @@ __device__ __forceinline__ V shfl_xor(const V& value, int offset) {
   return out;
 }
 
-// All 32 lanes of the warp end with the combination (by the commutative Op) of all
-// lanes' values; with a symmetric Op every lane gets the same bits.
+// Every lane of each aligned group of `group_lanes` lanes (a power of two <= 32)
+// ends with the combination (by the commutative Op) of the group's values: an xor
+// butterfly, so with a symmetric Op every lane of a group gets the same bits.
+template <typename V, typename Op>
+__device__ __forceinline__ V group_allreduce(V value, int group_lanes, Op op) {
+#pragma unroll
+  for (int offset = group_lanes / 2; offset > 0; offset >>= 1) value = op(value, shfl_xor(value, offset));
+  return value;
+}
+
+// group_allreduce over the whole warp.
 template <typename V, typename Op>
 __device__ __forceinline__ V warp_allreduce(V value, Op op) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) value = op(value, shfl_xor(value, offset));
-  return value;
+  return group_allreduce(value, kWarpSize, op);
 }
 
 // Block-wide reduction (cub::BlockReduce) whose result every thread of the block

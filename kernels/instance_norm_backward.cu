@@ -175,15 +175,6 @@ __device__ __forceinline__ void for_each_group_item(int64_t num_items, int group
   }
 }
 
-// Combination by the commutative `op` over each aligned group of `group_lanes`
-// lanes: an xor butterfly, so every lane of a group gets the same bits.
-// (A partial-width warp_allreduce; belongs in common.cuh.)
-template <typename V, typename Op>
-__device__ __forceinline__ V group_allreduce(V value, int group_lanes, Op op) {
-  for (int offset = group_lanes / 2; offset > 0; offset /= 2) value = op(value, shfl_xor(value, offset));
-  return value;
-}
-
 // Contiguous item = (slice, chunk): the elements [begin, end); empty out of range.
 struct ContiguousChunk {
   int64_t slice, begin, end;

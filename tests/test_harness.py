@@ -84,7 +84,7 @@ def test_build_with_no_gpu_visible_and_another_arch_list_runs_on_the_gpu(solutio
         pytest.skip("the no-GPU fallback build targets Hopper (sm_90a)")
     run = subprocess.run([sys.executable, "-c", (
         "import torch, solution\n"
-        "x = torch.randn(2, 8, 64, 64, device='cuda')\n"
+        "x = torch.randn(2, 8, 256, 256, device='cuda')\n"
         "torch.testing.assert_close(solution.ModelNew(8)(x), torch.nn.InstanceNorm2d(8)(x), atol=1e-4, rtol=1e-4)\n"
         "assert solution._EXT.chosen_path(x) == 2\n")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert run.returncode == 0, run.stderr[-2000:]
