@@ -568,6 +568,10 @@ const ClusterVariant& cluster_variant_for(DType dtype) {
 // few bytes per CTA to hide that, and the generic path (all SMs, many warps in
 // flight) is faster. Forcing kCluster still runs smaller slices. To be measured.
 constexpr int64_t kClusterMinSpatial = 4096;
+// Clusters of more than 8 CTAs lose to the generic path: fp32 (112, 64, 512, 512)
+// needs 16 and took 9.03 ms against the generic path's 8.75 (bf16, cluster of 8:
+// 4.22 against 4.37; docs/perf-notes.md), as 16-CTA clusters did in the forward.
+constexpr int64_t kClusterMaxChosenSize = 8;
 
 // ---- host: the choice of path and the launches ----
 
@@ -703,8 +707,9 @@ cudaError_t launch_cluster(const BackwardProblem& p, cudaStream_t stream) {
 
 BackwardPath choose_backward_path(const BackwardProblem& problem) {
   using namespace backward_detail;
-  return problem.spatial >= kClusterMinSpatial && cluster_supported(problem) ? BackwardPath::kCluster
-                                                                             : BackwardPath::kGeneric;
+  const bool cluster = problem.spatial >= kClusterMinSpatial && cluster_supported(problem) &&
+                       cluster_size_for(cluster_variant_for(problem.dtype), problem.spatial) <= kClusterMaxChosenSize;
+  return cluster ? BackwardPath::kCluster : BackwardPath::kGeneric;
 }
 
 bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) {
