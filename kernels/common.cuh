@@ -130,6 +130,37 @@ struct FastDivider {
   __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, multiplier) + n) >> shift; }
 };
 
+// Every path takes the statistics of d = (x - shift) * k, shift = the slice's first
+// value, k = a power of two: 1 unless |shift| >= 2^32, then 2^-exponent(shift), so
+// values near 1e30 (fp32 or bf16) become values near 1 whose squares cannot overflow
+// (PyTorch's own kernels give NaN there). d = fma(x, k, -shift * k) is k times the
+// rounded x - shift (scaling by a power of two is exact): with k = 1 it is x - shift
+// bit for bit, and it is exactly 0 where x == shift, so a constant slice gives 0.
+struct SliceShift {
+  float scale;   // k
+  float offset;  // -shift * k (exact), from which shift and 1 / k are recovered exactly
+
+  __device__ static SliceShift of(float shift) {
+    const int exponent = static_cast<int>((__float_as_uint(shift) >> 23) & 0xffu) - 127;
+    const bool large = exponent >= 32 && exponent < 128;  // 128: Inf or NaN, left to propagate
+    const float scale = large ? __uint_as_float(static_cast<unsigned>(127 - exponent) << 23) : 1.f;
+    return {scale, -shift * scale};
+  }
+  // d of a value x of the slice.
+  __device__ float apply(float x) const { return __fmaf_rn(x, scale, offset); }
+  // rstd of d from its M2 over `count` values: 1 / sqrt(var_d + eps * k^2), so that
+  // (d - mean_d) * rstd_d = (x - mean) / sqrt(var + eps).
+  __device__ float rstd_of_d(float m2, float count, float eps) const {
+    return rsqrtf(m2 / count + eps * scale * scale);
+  }
+  __device__ float value() const { return -offset / scale; }
+  // The mean of x - shift, the slice's mean and its rstd, in x's units, from mean_d
+  // and rstd_d (divisions and products by k are exact).
+  __device__ float relative_mean(float mean_d) const { return mean_d / scale; }
+  __device__ float mean(float mean_d) const { return value() + mean_d / scale; }
+  __device__ float rstd(float rstd_d) const { return rstd_d * scale; }
+};
+
 // Statistics of a set of values: how many, their mean, and M2 = sum of squared
 // deviations from that mean (the biased variance is m2 / count).
 struct SliceStats {

@@ -23,8 +23,8 @@ __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t 
                      p.bias != nullptr ? __ldg(p.bias + channel) : 0.f);
 }
 
-// The slice's mean (shift + mean of the shifted values) and rstd, to the optional
-// outputs; called by one thread per slice.
+// The slice's mean and rstd (in x's units), to the optional outputs; called by one
+// thread per slice.
 __device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_t slice, float mean, float rstd) {
   if (p.mean != nullptr) p.mean[slice] = mean;
   if (p.rstd != nullptr) p.rstd[slice] = rstd;
@@ -36,8 +36,8 @@ __device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_
 // registers, so the slice is read once and each load instruction of a warp reads
 // consecutive elements; many groups are resident per SM, so many slices are in
 // flight at once. The mean and then the centered M2 are summed over the group (an
-// xor butterfly, or cub::BlockReduce, both in a fixed order). Shifted by the slice's
-// first element, as the other paths.
+// xor butterfly, or cub::BlockReduce, both in a fixed order). Statistics of the
+// shifted, scaled values (SliceShift), as on the other paths.
 // CTA sizes: 512 threads (16 warp groups) for the warp path, 1024 (one group) for
 // the block path; both at most 64 registers per thread, so two 512-thread or one
 // 1024-thread CTA per SM hold up to 2 x 16,384 fp32 values in flight per SM.
@@ -74,13 +74,13 @@ __global__ void __launch_bounds__(row_cta_threads<GROUP>(), 65536 / 64 / row_cta
   for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kGroups + threadIdx.x / GROUP; slice < num_slices;
        slice += static_cast<int64_t>(gridDim.x) * kGroups) {
     const T* slice_x = x + slice * spatial;
-    const float shift = S::to_float(__ldg(slice_x));
+    const SliceShift shift = SliceShift::of(S::to_float(__ldg(slice_x)));
     float d[VALUES];
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
       const int i = rank + k * GROUP;
-      d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) - shift : 0.f;
+      d[k] = i < spatial ? shift.apply(S::to_float(__ldg(slice_x + i))) : 0.f;
       sum += d[k];
     }
     const float mean = group_sum<GROUP>(sum, storage) / static_cast<float>(spatial);
@@ -90,8 +90,8 @@ __global__ void __launch_bounds__(row_cta_threads<GROUP>(), 65536 / 64 / row_cta
       const float deviation = rank + k * GROUP < spatial ? d[k] - mean : 0.f;
       m2 += deviation * deviation;
     }
-    const float rstd = rsqrtf(group_sum<GROUP>(m2, storage) / static_cast<float>(spatial) + p.eps);
-    if (rank == 0) save_slice_stats(p, slice, shift + mean, rstd);
+    const float rstd = shift.rstd_of_d(group_sum<GROUP>(m2, storage), static_cast<float>(spatial), p.eps);
+    if (rank == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     const float2 affine = slice_affine(p, slice);
     const float scale = rstd * affine.x;
     T* slice_y = y + slice * spatial;
@@ -115,8 +115,9 @@ __global__ void __launch_bounds__(row_cta_threads<GROUP>(), 65536 / 64 / row_cta
 // with cp.async (so its HBM read overlaps everything below), take the mean and then
 // the centered M2 of the registers, merge them across the block (cub) and the cluster
 // (DSMEM, one cluster barrier), normalize the registers and write them. HBM is
-// read once and written once. Shift: statistics are taken of x - x[slice][0], so
-// a constant slice gives exactly 0 (before bias) whatever its magnitude.
+// read once and written once. Statistics are of the shifted, scaled values
+// (SliceShift), so a constant slice gives exactly 0 (before bias) and values near
+// 1e30 do not overflow.
 // Needs THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and spatial at
 // most kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
@@ -151,11 +152,12 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
   };
 
   int64_t slice = blockIdx.x / cluster_size;
-  float shift = slice < num_slices ? S::to_float(x[slice * spatial]) : 0.f;
+  float first_value = slice < num_slices ? S::to_float(x[slice * spatial]) : 0.f;
   if (slice < num_slices) stage(slice);
   for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
     const int64_t next = slice + num_clusters;
-    const float next_shift = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
+    const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
+    const SliceShift shift = SliceShift::of(first_value);
     const float2 affine = slice_affine(p, slice);
 
     // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
         float v[kPer];
         S::unpack(raw[i], v);
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) sum += v[k] - shift;
+        for (int k = 0; k < kPer; ++k) sum += shift.apply(v[k]);
       }
     }
     // The sum used every staged value this thread read, so they are all in
@@ -189,7 +191,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
           S::unpack(raw[i], v);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) {
-            const float deviation = (v[k] - shift) - stats.mean;
+            const float deviation = shift.apply(v[k]) - stats.mean;
             stats.m2 += deviation * deviation;
           }
         }
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     }
     stats = Reduce::allreduce(stats, storage, parity);
     const float mean = stats.mean;
-    const float rstd = rsqrtf(stats.m2 / static_cast<float>(spatial) + p.eps);
+    const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
     const float scale = rstd * affine.x;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
 #pragma unroll
@@ -206,13 +208,13 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
         float v[kPer];
         S::unpack(raw[i], v);
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) v[k] = ((v[k] - shift) - mean) * scale + affine.y;
+        for (int k = 0; k < kPer; ++k) v[k] = (shift.apply(v[k]) - mean) * scale + affine.y;
         store_streaming(slice_y + first + i * THREADS, S::pack(v));
       }
     }
     // After the stores, where the values' registers are free (saving earlier spills).
-    if (threadIdx.x == 0 && cluster.block_rank() == 0) save_slice_stats(p, slice, shift + mean, rstd);
-    shift = next_shift;
+    if (threadIdx.x == 0 && cluster.block_rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
+    first_value = next_first_value;
   }
   cluster.sync();  // no CTA leaves while another may still read its shared memory
 #endif

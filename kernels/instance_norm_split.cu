@@ -9,9 +9,10 @@
 //   2. one warp per slice combines its chunks in a fixed order (Chan et al.) into
 //      {shift, mean, rstd * weight, bias} (or takes running_mean/var in eval);
 //   3. an elementwise sweep y = ((x - shift) - mean) * scale + bias over the flat tensor.
-// All statistics are of x - shift, shift = the slice's first value, as on the other
-// paths: chunk means stay small, so combining them loses nothing to the magnitude of
-// x (1e4 + 0.1 * randn keeps its precision), and a constant slice gives exactly 0.
+// All statistics are of d = (x - shift) * k (SliceShift, shift = the slice's first
+// value), as on the other paths: chunk means stay small, so combining them loses
+// nothing to the magnitude of x (1e4 + 0.1 * randn keeps its precision), a constant
+// slice gives exactly 0, and values near 1e30 do not overflow.
 // Every reduction has a fixed order, so results are bit-identical run to run.
 #include "common.cuh"
 #include "split.h"
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t begin = (tile - slice * chunks) * kChunk;
     const int size = static_cast<int>(min(kChunk, p.spatial - begin));  // a multiple of V
     const T* chunk_x = x + slice * p.spatial + begin;
-    const float shift = Storage<T>::to_float(__ldg(x + slice * p.spatial));
+    const SliceShift shift = SliceShift::of(Storage<T>::to_float(__ldg(x + slice * p.spatial)));
     const int units = min(kUnits, max(0, (size / V - static_cast<int>(threadIdx.x) + kThreads - 1) / kThreads));
     float d[kValuesPerThread];
 #pragma unroll
@@ -111,10 +112,10 @@ __global__ void __launch_bounds__(kThreads)
         load_values<T, V>(chunk_x, (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V, v);
       } else {
 #pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = shift;
+        for (int j = 0; j < V; ++j) v[j] = 0.f;
       }
 #pragma unroll
-      for (int j = 0; j < V; ++j) d[k * V + j] = v[j] - shift;
+      for (int j = 0; j < V; ++j) d[k * V + j] = k < units ? shift.apply(v[j]) : 0.f;
     }
     const SliceStats total = BlockStatsReduce<kThreads>::allreduce(thread_stats(d, units * V), storage);
     if (threadIdx.x == 0) partials[tile] = total;
@@ -144,12 +145,12 @@ __global__ void __launch_bounds__(kThreads)
     const int rows = static_cast<int>(min(static_cast<int64_t>(kRowsPerChunk), p.spatial - row_begin));
     const bool active = channel < p.num_channels;
     const T* column = x + (n * p.spatial + row_begin) * p.num_channels + channel;
-    const float shift = active ? slice_shift<T>(p, n, channel) : 0.f;
+    const SliceShift shift = SliceShift::of(active ? slice_shift<T>(p, n, channel) : 0.f);
     const int count = active ? min(kValuesPerThread, max(0, (rows - ty + kTileRows - 1) / kTileRows)) : 0;
     float d[kValuesPerThread];
 #pragma unroll
     for (int k = 0; k < kValuesPerThread; ++k) {
-      d[k] = k < count ? S::to_float(__ldg(column + (ty + k * kTileRows) * p.num_channels)) - shift : 0.f;
+      d[k] = k < count ? shift.apply(S::to_float(__ldg(column + (ty + k * kTileRows) * p.num_channels))) : 0.f;
     }
     row_groups[ty][tx] = thread_stats(d, count);
     __syncthreads();
@@ -163,8 +164,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Pass 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]}; the
-// slice's statistics are its chunks' partials combined (and saved to the optional
+// Pass 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]} (scaled
+// back from d by 1 / k and k, which is exact); the slice's statistics are its chunks' partials combined (and saved to the optional
 // outputs), or running_mean[c] and running_var[c] in eval (shift 0). One warp per
 // slice: lane l combines chunks l, l + 32, ... in order, then the symmetric xor
 // butterfly (a fixed order: bit-identical run to run). A slice of 128^3 values has
@@ -184,13 +185,14 @@ __global__ void __launch_bounds__(kThreads)
       mean = __ldg(p.running_mean + channel);
       rstd = rsqrtf(__ldg(p.running_var + channel) + p.eps);
     } else {
-      shift = slice_shift<T>(p, n, channel);
+      const SliceShift slice_shift_scale = SliceShift::of(slice_shift<T>(p, n, channel));
       SliceStats total{0.f, 0.f, 0.f};
       for (int64_t j = lane; j < chunks; j += kWarpSize) total = combine(total, partials[slice * chunks + j]);
       total = warp_allreduce(total, CombineStats());
-      mean = total.mean;
-      rstd = rsqrtf(total.m2 / static_cast<float>(p.spatial) + p.eps);
-      if (lane == 0 && p.mean != nullptr) p.mean[slice] = shift + mean;
+      shift = slice_shift_scale.value();
+      mean = slice_shift_scale.relative_mean(total.mean);
+      rstd = slice_shift_scale.rstd(slice_shift_scale.rstd_of_d(total.m2, static_cast<float>(p.spatial), p.eps));
+      if (lane == 0 && p.mean != nullptr) p.mean[slice] = slice_shift_scale.mean(total.mean);
       if (lane == 0 && p.rstd != nullptr) p.rstd[slice] = rstd;
     }
     const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;

@@ -164,6 +164,28 @@ def test_large_offset_small_spread_keeps_precision(solution):
                 assert error < 2e-2, f"{shape} path {path}: {error}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_values_near_1e30_stay_finite_and_correct(solution, dtype):
+    """Squares of values near 1e30 overflow fp32 (PyTorch gives NaN): every path and
+    layout stays finite and matches float64, output and saved statistics."""
+    torch.manual_seed(17)
+    for shape in ((2, 3, 512, 512), (4, 5, 20, 20), (2, 3, 45, 45), (1, 2, 1030, 1030)):
+        noise = torch.randn(shape, device="cuda")
+        for x in ((noise * 1e30).to(dtype), ((1 + 0.1 * noise) * 1e30).to(dtype)):
+            reference = float64_reference(x)
+            mean64, var64 = float64_stats(x)
+            for layout in (x, channels_last(x)):
+                for path in paths_for(solution, layout):
+                    out, mean, rstd = solution._EXT.forward_with_stats(layout, path=path)
+                    assert torch.isfinite(out).all(), f"{shape} path {path}"
+                    error = (out.double() - reference).abs().max().item()
+                    assert error <= TOLERANCE[dtype], f"{shape} path {path}: {error}"
+                    torch.testing.assert_close(rstd.double().view_as(var64), torch.rsqrt(var64 + 1e-5), rtol=1e-4,
+                                               atol=0, msg=f"{shape} path {path}: rstd")
+                    torch.testing.assert_close(mean.double().view_as(mean64), mean64, rtol=1e-4,
+                                               atol=1e-5 * var64.sqrt().max().item(), msg=f"{shape} path {path}: mean")
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_nan_and_inf_stay_in_their_slice(solution, value):
     for shape in ((2, 3, 256, 256), (2, 3, 9, 9), (1, 3, 1024, 1024)):

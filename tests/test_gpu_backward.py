@@ -61,6 +61,23 @@ def test_backward_matches_float64(solution, shape, dtype, layout):
         assert all(torch.equal(a, b) for a, b in zip((dx, dweight, dbias), again)), f"path {path}: not deterministic"
 
 
+def test_backward_of_values_near_1e30(solution):
+    """The saved statistics of values near 1e30 (mean 1e30, rstd 1e-30) give finite,
+    correct gradients on every backward path."""
+    torch.manual_seed(26)
+    for shape in ((2, 3, 256, 256), (3, 4, 9, 9)):
+        x = torch.randn(shape, device="cuda") * 1e30
+        dy = torch.randn(shape, device="cuda")
+        weight, bias = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
+        expected = float64_gradients(x, dy, weight, bias)
+        _, mean, rstd = solution._EXT.forward_with_stats(x, weight, bias)
+        for path in backward_paths(solution, x):
+            for actual, reference, what in zip(solution._EXT.backward(dy, x, mean, rstd, weight, path), expected,
+                                               ("dx", "dweight", "dbias")):
+                assert torch.isfinite(actual).all(), f"path {path} {what}"
+                assert_close_scaled(actual, reference, 1e-4, f"path {path} {what}")
+
+
 def test_seed_shape_backward_takes_the_cluster_path(solution):
     x = torch.empty(112, 64, 512, 512, device="cuda")
     assert BACKWARD_CLUSTER in backward_paths(solution, x)

@@ -30,7 +30,7 @@ if has sanitize; then
     # hazards inside PyTorch's own float64 mean reduction, which computes the references.
     timeout 120 compute-sanitizer --tool $tool --kernel-name kns=instance_norm --error-exitcode 3 \
       python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"
+    echo "compute-sanitizer $tool: exit $? ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log") clean summaries)"
     grep -E "WRONG|ERROR SUMMARY" "$OUT/sanitizer_$tool.log" | head -5
   done
 fi
