@@ -16,7 +16,8 @@ and the speedup over eager and over torch.compile.
 
 --paths also times every forced kernel path that can run the shape (with
 --backward: the backward kernels alone, called directly). --suite runs
-the shape list of issue #3 (SUITE) in each of --dtypes and prints one table.
+the list of real shapes in SUITE (style transfer, diffusion U-Nets, 3d
+segmentation, a channels-last layer) in each of --dtypes and prints one table.
 --backward times, instead of the forward, the backward alone (autograd.grad of a
 retained graph) and forward + backward, whose limit is 1.5x the copy (read x and
 dy, write dx) plus, for forward + backward, the forward's copy.
@@ -33,7 +34,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # The harness tolerances (atol = rtol): fp32 1e-4, 16-bit types 1e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 SEED_SHAPE = (112, 64, 512, 512)
-# Issue #3's real shapes: (shape, channels_last).
+# Real shapes (style transfer, diffusion U-Nets, 3d segmentation, a channels-last
+# layer): (shape, channels_last).
 SUITE = [((112, 64, 512, 512), False), ((2, 320, 128, 128), False), ((2, 1280, 16, 16), False),
          ((4, 128, 256, 256), False), ((2, 640, 32, 32), False), ((16, 64, 256, 256), False),
          ((1, 32, 128, 128, 128), False), ((8, 256, 56, 56), True)]
@@ -187,7 +189,7 @@ def main(argv=None):
     parser.add_argument("--shape", type=parse_shape, default=SEED_SHAPE, help="N,C,*spatial (default 112,64,512,512)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="input dtype (default float32)")
     parser.add_argument("--channels-last", action="store_true", help="channels-last input")
-    parser.add_argument("--suite", action="store_true", help="time issue #3's shape list (SUITE) instead of --shape")
+    parser.add_argument("--suite", action="store_true", help="time the SUITE list of real shapes instead of --shape")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of --suite (default float32,bfloat16)")
     parser.add_argument("--backward", action="store_true", help="time the backward and forward + backward")
     parser.add_argument("--runs", type=int, default=30, help="timed runs per row (default 30, at least 20)")
