@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -179,9 +181,7 @@ __device__ __forceinline__ SliceStats combine(const SliceStats& a, const SliceSt
   if (a.count == 0.f) return b;
   if (b.count == 0.f) return a;
   const float count = a.count + b.count;
-  // Equal means stay exact, so a constant slice split in parts keeps its value as mean.
-  const float mean =
-      a.mean == b.mean ? a.mean : __fadd_rn(__fmul_rn(a.count, a.mean), __fmul_rn(b.count, b.mean)) / count;
+  const float mean = __fadd_rn(__fmul_rn(a.count, a.mean), __fmul_rn(b.count, b.mean)) / count;
   const float delta = b.mean - a.mean;
   const float m2 = (a.m2 + b.m2) + __fmul_rn(delta, delta) * (__fmul_rn(a.count, b.count) / count);
   return {count, mean, m2};
@@ -373,6 +373,47 @@ inline int max_active_clusters(const void* kernel, int threads, int shared_bytes
   cudaGetLastError();  // a failed query must not be reported by the next launch check
   cache.emplace(key, max_clusters);
   return max_clusters;
+}
+
+// One configuration of a persistent cluster kernel (forward or backward) for one
+// storage dtype: THREADS per CTA, cta_capacity values of a slice per CTA,
+// shared_bytes of dynamic shared memory. A slice of `spatial` values takes a
+// cluster of ceil(spatial / cta_capacity) CTAs; the grid holds as many clusters as
+// can be resident, each looping over slices.
+template <typename Problem>
+struct ClusterVariant {
+  DType dtype;
+  int threads;
+  int cta_capacity;
+  int shared_bytes;
+  void (*kernel)(const Problem);
+
+  int cluster_size(int64_t spatial) const { return static_cast<int>((spatial + cta_capacity - 1) / cta_capacity); }
+  int active_clusters(int size) const {
+    return max_active_clusters(reinterpret_cast<const void*>(kernel), threads, shared_bytes, size);
+  }
+  // Whether slices of `spatial` values fit a cluster the current device can run.
+  bool fits(int64_t spatial) const {
+    const int size = cluster_size(spatial);
+    return size <= kMaxClusterSize && active_clusters(size) > 0;
+  }
+  cudaError_t launch(const Problem& p, cudaStream_t stream) const {
+    const int size = cluster_size(p.spatial);
+    const int64_t num_clusters = std::min<int64_t>(p.num_slices(), active_clusters(size));
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config =
+        cluster_launch_config(static_cast<unsigned>(num_clusters * size), threads, shared_bytes, size, stream, &attribute);
+    return cudaLaunchKernelEx(&config, kernel, p);
+  }
+};
+
+// The variant of `dtype` in a table with one entry per DType.
+template <typename Problem, size_t N>
+const ClusterVariant<Problem>& variant_for(const ClusterVariant<Problem> (&variants)[N], DType dtype) {
+  for (const ClusterVariant<Problem>& v : variants) {
+    if (v.dtype == dtype) return v;
+  }
+  return variants[0];  // unreachable: every DType has a variant
 }
 
 }  // namespace instance_norm

@@ -530,18 +530,10 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
 #endif
 }
 
-using ClusterKernel = void (*)(const BackwardProblem);
-
-struct ClusterVariant {
-  DType dtype;
-  int threads;
-  int cta_capacity;  // values of a slice one CTA holds (x and dy each)
-  int shared_bytes;  // dynamic shared memory per CTA: the staged next slice's x and dy
-  ClusterKernel kernel;
-};
-
+// Each CTA holds cta_capacity values of x and of dy; shared_bytes: the staged next
+// slice's x and dy.
 template <typename T, int THREADS, int VALUES>
-constexpr ClusterVariant cluster_variant(DType dtype) {
+constexpr ClusterVariant<BackwardProblem> cluster_variant(DType dtype) {
   return {dtype, THREADS, THREADS * VALUES, 2 * THREADS * VALUES * static_cast<int>(sizeof(T)),
           backward_cluster_kernel<T, THREADS, VALUES>};
 }
@@ -550,18 +542,11 @@ constexpr ClusterVariant cluster_variant(DType dtype) {
 // of registers per CTA) plus 128 KB of staged next slice. float32 512 x 32: a
 // 512 x 512 slice takes a cluster of 16; the 16-bit variants hold 64 values of x
 // and of dy in the same registers, so a 512 x 512 slice takes a cluster of 8.
-constexpr ClusterVariant kClusterVariants[] = {
+constexpr ClusterVariant<BackwardProblem> kClusterVariants[] = {
     cluster_variant<float, 512, 32>(DType::kFloat32),
     cluster_variant<__half, 512, 64>(DType::kFloat16),
     cluster_variant<__nv_bfloat16, 512, 64>(DType::kBFloat16),
 };
-
-const ClusterVariant& cluster_variant_for(DType dtype) {
-  for (const ClusterVariant& v : kClusterVariants) {
-    if (v.dtype == dtype) return v;
-  }
-  return kClusterVariants[0];  // unreachable: every DType has a variant
-}
 
 // The cluster kernel loops over slices with a block reduction and a cluster
 // barrier each (~ microseconds); below about this many values a slice moves too
@@ -679,28 +664,9 @@ cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
   });
 }
 
-int64_t cluster_size_for(const ClusterVariant& v, int64_t spatial) { return ceil_div(spatial, v.cta_capacity); }
-
-int active_clusters(const ClusterVariant& v, int cluster_size) {
-  return max_active_clusters(reinterpret_cast<const void*>(v.kernel), v.threads, v.shared_bytes, cluster_size);
-}
-
 bool cluster_supported(const BackwardProblem& p) {
-  const ClusterVariant& v = cluster_variant_for(p.dtype);
-  const int64_t cluster_size = cluster_size_for(v, p.spatial);
   return !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
-         aligned16(p.dx) && cluster_size <= kMaxClusterSize &&
-         active_clusters(v, static_cast<int>(cluster_size)) > 0;
-}
-
-cudaError_t launch_cluster(const BackwardProblem& p, cudaStream_t stream) {
-  const ClusterVariant& v = cluster_variant_for(p.dtype);
-  const int cluster_size = static_cast<int>(cluster_size_for(v, p.spatial));
-  const int64_t num_clusters = std::min<int64_t>(p.num_slices(), active_clusters(v, cluster_size));
-  cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(num_clusters * cluster_size),
-                                                          v.threads, v.shared_bytes, cluster_size, stream, &attribute);
-  return cudaLaunchKernelEx(&config, v.kernel, p);
+         aligned16(p.dx) && variant_for(kClusterVariants, p.dtype).fits(p.spatial);
 }
 
 }  // namespace backward_detail
@@ -708,7 +674,7 @@ cudaError_t launch_cluster(const BackwardProblem& p, cudaStream_t stream) {
 BackwardPath choose_backward_path(const BackwardProblem& problem) {
   using namespace backward_detail;
   const bool cluster = problem.spatial >= kClusterMinSpatial && cluster_supported(problem) &&
-                       cluster_size_for(cluster_variant_for(problem.dtype), problem.spatial) <= kClusterMaxChosenSize;
+                       variant_for(kClusterVariants, problem.dtype).cluster_size(problem.spatial) <= kClusterMaxChosenSize;
   return cluster ? BackwardPath::kCluster : BackwardPath::kGeneric;
 }
 
@@ -739,7 +705,7 @@ cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStre
   if (problem.dx == nullptr || !backward_path_supported(path, problem)) return cudaErrorInvalidValue;
   if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
   if (path == BackwardPath::kGeneric) return launch_generic(problem, stream);
-  return launch_cluster(problem, stream);
+  return variant_for(kClusterVariants, problem.dtype).launch(problem, stream);
 }
 
 }  // namespace instance_norm

@@ -130,7 +130,7 @@ void run_forward(const torch::Tensor& x, const torch::Tensor& output, instance_n
 // Returns (y, mean, rstd): y of the input's shape, dtype and layout, every (n, c)
 // slice normalized to zero mean and unit biased variance, (x - mean) * rstd with
 // rstd = 1 / sqrt(var + eps), times weight[c] plus bias[c]; mean and rstd are the
-// slices' float32 statistics, shape (N * C). Without save_stats they are empty.
+// slices' float32 statistics, shape (N * C). Without save_stats they are None.
 // path: instance_norm::ForwardPath as an int (0 = choose automatically).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_with_stats(
     const torch::Tensor& input, const std::optional<torch::Tensor>& weight, const std::optional<torch::Tensor>& bias,
@@ -144,14 +144,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_with_stats(
   const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", x);
   const std::optional<torch::Tensor> bias_f32 = channel_parameter(bias, "bias", x);
   instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
-  torch::Tensor mean, rstd;
+  torch::Tensor mean, rstd;  // undefined (None in Python) without save_stats: nothing allocated
   if (save_stats) {
     mean = float_buffer(problem.num_slices(), x);
     rstd = float_buffer(problem.num_slices(), x);
     problem.mean = mean.data_ptr<float>();
     problem.rstd = rstd.data_ptr<float>();
-  } else {
-    mean = rstd = float_buffer(0, x);
   }
   run_forward(x, output, problem, forward_path);
   return {output, mean, rstd};

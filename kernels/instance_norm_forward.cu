@@ -220,18 +220,8 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
 #endif
 }
 
-using ClusterKernel = void (*)(const ForwardProblem);
-
-struct ClusterVariant {
-  DType dtype;
-  int threads;
-  int cta_capacity;  // values one CTA holds (in float registers, and staged in shared memory)
-  int shared_bytes;  // dynamic shared memory per CTA
-  ClusterKernel kernel;
-};
-
 template <typename T, int THREADS, int VALUES>
-constexpr ClusterVariant cluster_variant(DType dtype) {
+constexpr ClusterVariant<ForwardProblem> cluster_variant(DType dtype) {
   return {dtype, THREADS, THREADS * VALUES, THREADS * VALUES * static_cast<int>(sizeof(T)),
           forward_cluster_kernel<T, THREADS, VALUES>};
 }
@@ -240,44 +230,18 @@ constexpr ClusterVariant cluster_variant(DType dtype) {
 // slice per CTA, one CTA per SM. A 512 x 512 slice takes a cluster of 8 in fp32 (64
 // values per thread) and of 4 in fp16/bf16 (128 values per thread)
 // (docs/perf-notes.md compares shapes).
-constexpr ClusterVariant kClusterVariants[] = {
+constexpr ClusterVariant<ForwardProblem> kClusterVariants[] = {
     cluster_variant<float, 512, 64>(DType::kFloat32),
     cluster_variant<__half, 512, 128>(DType::kFloat16),
     cluster_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
 };
 
-const ClusterVariant& cluster_variant_for(DType dtype) {
-  for (const ClusterVariant& v : kClusterVariants) {
-    if (v.dtype == dtype) return v;
-  }
-  return kClusterVariants[0];  // unreachable: every DType has a variant
-}
-
 bool vector_aligned(const ForwardProblem& p) {
   return p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y);
 }
 
-int cluster_size_for(const ClusterVariant& v, int64_t spatial) {
-  return static_cast<int>((spatial + v.cta_capacity - 1) / v.cta_capacity);
-}
-
 bool cluster_supported(const ForwardProblem& p) {
-  const ClusterVariant& v = cluster_variant_for(p.dtype);
-  const int cluster_size = cluster_size_for(v, p.spatial);
-  return p.layout == Layout::kContiguous && vector_aligned(p) && cluster_size <= kMaxClusterSize &&
-         max_active_clusters(reinterpret_cast<const void*>(v.kernel), v.threads, v.shared_bytes, cluster_size) > 0;
-}
-
-cudaError_t launch_cluster(const ForwardProblem& p, cudaStream_t stream) {
-  const ClusterVariant& v = cluster_variant_for(p.dtype);
-  const int cluster_size = cluster_size_for(v, p.spatial);
-  const int64_t num_clusters = std::min<int64_t>(
-      p.num_slices(),
-      max_active_clusters(reinterpret_cast<const void*>(v.kernel), v.threads, v.shared_bytes, cluster_size));
-  cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config = cluster_launch_config(static_cast<unsigned>(num_clusters * cluster_size),
-                                                          v.threads, v.shared_bytes, cluster_size, stream, &attribute);
-  return cudaLaunchKernelEx(&config, v.kernel, p);
+  return p.layout == Layout::kContiguous && vector_aligned(p) && variant_for(kClusterVariants, p.dtype).fits(p.spatial);
 }
 
 template <typename T, int GROUP, int VALUES>
@@ -352,7 +316,7 @@ cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_
   switch (path) {
     case ForwardPath::kBlock: return launch_block(problem, stream);
     case ForwardPath::kWarp: return launch_warp(problem, stream);
-    default: return launch_cluster(problem, stream);
+    default: return variant_for(kClusterVariants, problem.dtype).launch(problem, stream);
   }
 }
 
