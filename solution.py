@@ -164,6 +164,44 @@ def _load_extension(sources):
     )
 
 
+def _python_literal(text):
+    """text as a triple-quoted Python literal that keeps its lines (so a checker
+    that reads the bundle line by line sees the kernel code)."""
+    quote = "'" * 3
+    return quote + text.replace("\\", "\\\\").replace(quote, "\\'" * 3) + quote
+
+
+def bundle(path):
+    """Write a self-contained single-file solution to `path`: this file with
+    _KERNEL_SOURCES set to the kernel sources, so it reads nothing from kernels/."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        source = f.read()
+    marker = "\n_KERNEL_SOURCES = None\n"
+    if marker not in source:
+        raise RuntimeError(f"solution.bundle: {marker.strip()!r} not found in {__file__}: already a bundle?")
+    entries = "".join(f"    {name!r}: {_python_literal(text)},\n" for name, text in _read_sources().items())
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source.replace(marker, "\n_KERNEL_SOURCES = {\n" + entries + "}\n", 1))
+
+
+def _command_line():
+    """python solution.py [--bundle PATH]: --bundle (and --help) run before, and
+    without, the build. parse_known_args: a harness that runs this file as
+    __main__ with its own arguments gets the import-time build and nothing else."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="InstanceNorm CUDA kernels for PyTorch (see README.md).")
+    parser.add_argument("--bundle", metavar="PATH", help="write a single-file solution with the kernel sources inlined")
+    bundle_path = parser.parse_known_args()[0].bundle
+    if bundle_path:
+        bundle(bundle_path)
+        print(f"instance_norm: wrote {bundle_path}", file=sys.stderr)
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    _command_line()
+
 _EXT = _load_extension(_read_sources())
 
 
@@ -508,36 +546,3 @@ class InstanceNorm3d(_InstanceNorm):
 class ModelNew(InstanceNorm2d):
     """Drop-in for PyTorch's nn.InstanceNorm2d (same constructor), the class a
     kernel-eval harness instantiates: ModelNew(num_features)."""
-
-
-def _python_literal(text):
-    """text as a triple-quoted Python literal that keeps its lines (so a checker
-    that reads the bundle line by line sees the kernel code)."""
-    quote = "'" * 3
-    return quote + text.replace("\\", "\\\\").replace(quote, "\\'" * 3) + quote
-
-
-def bundle(path):
-    """Write a self-contained single-file solution to `path`: this file with
-    _KERNEL_SOURCES set to the kernel sources, so it reads nothing from kernels/."""
-    with open(os.path.abspath(__file__), encoding="utf-8") as f:
-        source = f.read()
-    marker = "\n_KERNEL_SOURCES = None\n"
-    if marker not in source:
-        raise RuntimeError(f"solution.bundle: {marker.strip()!r} not found in {__file__}: already a bundle?")
-    entries = "".join(f"    {name!r}: {_python_literal(text)},\n" for name, text in _read_sources().items())
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(source.replace(marker, "\n_KERNEL_SOURCES = {\n" + entries + "}\n", 1))
-
-
-if __name__ == "__main__":
-    import argparse
-
-    # parse_known_args: a harness that runs this file as __main__ with its own
-    # arguments gets the import-time build and nothing else.
-    _parser = argparse.ArgumentParser(description="InstanceNorm CUDA kernels for PyTorch (see README.md).")
-    _parser.add_argument("--bundle", metavar="PATH", help="write a single-file solution with the kernel sources inlined")
-    _bundle_path = _parser.parse_known_args()[0].bundle
-    if _bundle_path:
-        bundle(_bundle_path)
-        print(f"instance_norm: wrote {_bundle_path}", file=sys.stderr)

@@ -123,6 +123,18 @@ def test_checker_rules_catch_what_they_should():
     assert_obeys_checker("# try: pass\nload_inline  // except Error", must_have_kernel=False)
 
 
+def test_command_line_runs_without_building(tmp_path):
+    """--help and --bundle need no compiler: nothing is built (the build root stays absent)."""
+    env = dict(os.environ, INSTANCE_NORM_BUILD_ROOT=str(tmp_path / "builds"))
+    shown = subprocess.run([sys.executable, SOLUTION_PATH, "--help"], capture_output=True, text=True, env=env,
+                           cwd=ROOT)
+    assert shown.returncode == 0 and "--bundle" in shown.stdout
+    written = subprocess.run([sys.executable, SOLUTION_PATH, "--bundle", str(tmp_path / "bundle.py")],
+                             capture_output=True, text=True, env=env, cwd=ROOT)
+    assert written.returncode == 0 and "wrote" in written.stderr, written.stderr
+    assert (tmp_path / "bundle.py").is_file() and not (tmp_path / "builds").exists()
+
+
 @pytest.fixture(scope="module")
 def bundle_path(solution, tmp_path_factory):
     path = tmp_path_factory.mktemp("bundle") / "solution_bundle.py"
