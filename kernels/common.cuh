@@ -90,6 +90,21 @@ struct Storage<__nv_bfloat16> : Storage16<__nv_bfloat16, __nv_bfloat162, bfloat1
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
 
+// Calls f(i, v) for each raw 16-byte vector raw[i], i < valid, with v its values
+// as float. The resident kernels keep the raw vectors in registers (4 registers
+// per vector whatever the dtype) and unpack them at each use through this.
+template <typename T, int N, typename F>
+__device__ __forceinline__ void for_each_unpacked(const uint4 (&raw)[N], int valid, F f) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (i < valid) {
+      float v[Storage<T>::kPerVector];
+      Storage<T>::unpack(raw[i], v);
+      f(i, v);
+    }
+  }
+}
+
 // Every output element is written once: streaming (evict-first) 16-byte stores
 // keep it from displacing reusable lines in L2.
 __device__ __forceinline__ void store_streaming(uint4* p, uint4 v) { __stcs(p, v); }

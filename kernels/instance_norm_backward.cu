@@ -491,16 +491,12 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
       }
     }
     float2 sums = make_float2(0.f, 0.f);
+    for_each_unpacked<T>(x_raw, valid, [&](int i, const float(&xv)[kPer]) {
+      float dyv[kPer];
+      S::unpack(dy_raw[i], dyv);
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < valid) {
-        float xv[kPer], dyv[kPer];
-        S::unpack(x_raw[i], xv);
-        S::unpack(dy_raw[i], dyv);
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
-      }
-    }
+      for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+    });
     // The sums used every staged value this thread read, so they are all in
     // registers now and its shared-memory columns can take the next slice.
     if (next < num_slices) stage(next);
@@ -514,17 +510,13 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
     const DxCoefficients coefficients =
         dx_coefficients(mean, rstd, weight, total.x, sum_dy_xhat, inv_spatial);
     uint4* slice_dx = reinterpret_cast<uint4*>(dx + slice * spatial);
+    for_each_unpacked<T>(x_raw, valid, [&](int i, const float(&xv)[kPer]) {
+      float dyv[kPer], out[kPer];
+      S::unpack(dy_raw[i], dyv);
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < valid) {
-        float xv[kPer], dyv[kPer], out[kPer];
-        S::unpack(x_raw[i], xv);
-        S::unpack(dy_raw[i], dyv);
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
-        store_streaming(slice_dx + first + i * THREADS, S::pack(out));
-      }
-    }
+      for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
+      store_streaming(slice_dx + first + i * THREADS, S::pack(out));
+    });
   }
   cluster.sync();  // no CTA leaves while another may still read its shared memory
 #endif

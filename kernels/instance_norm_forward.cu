@@ -168,15 +168,10 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
     float sum = 0.f;
+    for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < valid) {
-        float v[kPer];
-        S::unpack(raw[i], v);
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) sum += shift.apply(v[k]);
-      }
-    }
+      for (int k = 0; k < kPer; ++k) sum += shift.apply(v[k]);
+    });
     // The sum used every staged value this thread read, so they are all in
     // registers now and its shared-memory column can take the next slice.
     if (next < num_slices) stage(next);
@@ -184,34 +179,25 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     SliceStats stats{static_cast<float>(kPer * valid), 0.f, 0.f};
     if (valid > 0) {
       stats.mean = sum / stats.count;
+      for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
 #pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        if (i < valid) {
-          float v[kPer];
-          S::unpack(raw[i], v);
-#pragma unroll
-          for (int k = 0; k < kPer; ++k) {
-            const float deviation = shift.apply(v[k]) - stats.mean;
-            stats.m2 += deviation * deviation;
-          }
+        for (int k = 0; k < kPer; ++k) {
+          const float deviation = shift.apply(v[k]) - stats.mean;
+          stats.m2 += deviation * deviation;
         }
-      }
+      });
     }
     stats = Reduce::allreduce(stats, storage, parity);
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
     const float scale = rstd * affine.x;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
+    for_each_unpacked<T>(raw, valid, [&](int i, const float(&v)[kPer]) {
+      float out[kPer];
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < valid) {
-        float v[kPer];
-        S::unpack(raw[i], v);
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) v[k] = (shift.apply(v[k]) - mean) * scale + affine.y;
-        store_streaming(slice_y + first + i * THREADS, S::pack(v));
-      }
-    }
+      for (int k = 0; k < kPer; ++k) out[k] = (shift.apply(v[k]) - mean) * scale + affine.y;
+      store_streaming(slice_y + first + i * THREADS, S::pack(out));
+    });
     // After the stores, where the values' registers are free (saving earlier spills).
     if (threadIdx.x == 0 && cluster.block_rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     first_value = next_first_value;
