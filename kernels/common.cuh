@@ -132,6 +132,20 @@ __device__ __forceinline__ void stage_column(unsigned staged_column, const uint4
   cp_async_commit();
 }
 
+// `address` made to depend on every vector of `raw`, so that a cp.async to it
+// issues only after the shared-memory loads into `raw` have returned their data
+// (a register dependency the hardware's scoreboard enforces): a thread can then
+// restage a shared-memory column it has just read without waiting for any use of
+// the values. `zero` must be 0 at run time but unknown to the compiler (computed
+// from a kernel parameter), or the dependency would be folded away.
+template <int N>
+__device__ __forceinline__ unsigned after_reading(unsigned address, const uint4 (&raw)[N], unsigned zero) {
+  unsigned any = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) any |= raw[i].x;
+  return address + (any & zero);
+}
+
 // n / d for 32-bit n < 2^31 and 0 < d < 2^31 by a multiply-high and a shift
 // (Granlund & Montgomery 1994; the same magic numbers as PyTorch's IntDivider), so
 // elementwise kernels can split an index per element without a hardware divide.

@@ -464,16 +464,17 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
   const unsigned staged_x = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
   const unsigned staged_dy = staged_x + kCtaVecs * 16;
-  const auto stage = [&](int64_t slice) {
+  const auto stage = [&](unsigned column_x, unsigned column_dy, int64_t slice) {
     const int64_t offset = slice * spatial;
-    stage_column<THREADS>(staged_x, reinterpret_cast<const uint4*>(x + offset) + first, valid,
+    stage_column<THREADS>(column_x, reinterpret_cast<const uint4*>(x + offset) + first, valid,
                           std::make_integer_sequence<int, kVecs>());
-    stage_column<THREADS>(staged_dy, reinterpret_cast<const uint4*>(dy + offset) + first, valid,
+    stage_column<THREADS>(column_dy, reinterpret_cast<const uint4*>(dy + offset) + first, valid,
                           std::make_integer_sequence<int, kVecs>());
   };
+  const unsigned zero = static_cast<unsigned>(spatial) >> 31;  // spatial < 2^31: 0, unknown to the compiler
 
   int64_t slice = blockIdx.x / cluster_size;
-  if (slice < num_slices) stage(slice);
+  if (slice < num_slices) stage(staged_x, staged_dy, slice);
   for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
     const int64_t next = slice + num_clusters;
     // Issued before the wait so their latency overlaps it.
@@ -488,8 +489,13 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
       if (i < valid) {
         x_raw[i] = staged[i * THREADS + threadIdx.x];
         dy_raw[i] = staged[kCtaVecs + i * THREADS + threadIdx.x];
+      } else {
+        x_raw[i] = dy_raw[i] = make_uint4(0, 0, 0, 0);
       }
     }
+    // The next slice's HBM reads start as soon as this thread's columns are in
+    // registers, and overlap everything below.
+    if (next < num_slices) stage(after_reading(staged_x, x_raw, zero), after_reading(staged_dy, dy_raw, zero), next);
     float2 sums = make_float2(0.f, 0.f);
     for_each_unpacked<T>(x_raw, valid, [&](int i, const float(&xv)[kPer]) {
       float dyv[kPer];
@@ -497,9 +503,6 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
 #pragma unroll
       for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
     });
-    // The sums used every staged value this thread read, so they are all in
-    // registers now and its shared-memory columns can take the next slice.
-    if (next < num_slices) stage(next);
 
     const float2 total = Reduce::allreduce(sums, storage, parity);
     const float sum_dy_xhat = total.y * rstd;

@@ -146,14 +146,15 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
   const int first = static_cast<int>(cluster.block_rank()) * kCtaVecs + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
   const unsigned staged_column = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
-  const auto stage = [&](int64_t slice) {
-    stage_column<THREADS>(staged_column, reinterpret_cast<const uint4*>(x + slice * spatial) + first, valid,
+  const auto stage = [&](unsigned column, int64_t slice) {
+    stage_column<THREADS>(column, reinterpret_cast<const uint4*>(x + slice * spatial) + first, valid,
                           std::make_integer_sequence<int, kVecs>());
   };
+  const unsigned zero = static_cast<unsigned>(spatial) >> 31;  // spatial < 2^31: 0, unknown to the compiler
 
   int64_t slice = blockIdx.x / cluster_size;
   float first_value = slice < num_slices ? S::to_float(x[slice * spatial]) : 0.f;
-  if (slice < num_slices) stage(slice);
+  if (slice < num_slices) stage(staged_column, slice);
   for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
     const int64_t next = slice + num_clusters;
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
@@ -167,14 +168,14 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
     cp_async_wait_all();
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
+    // The next slice's HBM read starts as soon as this thread's column is in
+    // registers, and overlaps everything below.
+    if (next < num_slices) stage(after_reading(staged_column, raw, zero), next);
     float sum = 0.f;
     for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
 #pragma unroll
       for (int k = 0; k < kPer; ++k) sum += shift.apply(v[k]);
     });
-    // The sum used every staged value this thread read, so they are all in
-    // registers now and its shared-memory column can take the next slice.
-    if (next < num_slices) stage(next);
 
     SliceStats stats{static_cast<float>(kPer * valid), 0.f, 0.f};
     if (valid > 0) {
