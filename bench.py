@@ -93,7 +93,7 @@ def forward_rows(solution, x, args):
         compiled = torch.compile(eager)
         rows.append(("torch.compile", lambda: compiled(x)))
     if args.paths:
-        for path in range(1, 5):
+        for path in range(1, solution._EXT.num_forward_paths):
             if not solution._EXT.path_supported(x, path):
                 continue
             with torch.no_grad():
@@ -128,7 +128,7 @@ def backward_rows(solution, x, args):
     rows = [("copy_ (limit)", lambda: copy_out.copy_(x))]
     if args.paths:
         _, mean, rstd = solution._EXT.forward_with_stats(x)
-        for path in (1, 2):
+        for path in range(1, solution._EXT.num_backward_paths):
             if solution._EXT.backward_path_supported(x, path):
                 check(solution._EXT.backward(dy, x, mean, rstd, None, path)[0], f"backward path {path}")
                 rows.append((f"backward path {path}",

@@ -5,11 +5,13 @@
 
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
+#include <cuda/atomic>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -288,42 +290,131 @@ struct BlockAllReduce {
 template <int THREADS>
 using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Cluster-wide reduction through distributed shared memory (Hopper, sm_90+), used
-// by forward (SliceStats) and backward (sums) alike.
-// Each CTA reduces its threads with cub::BlockReduce and publishes the total in
-// its own shared memory; after a cluster barrier every warp of every CTA reads all
-// ranks' totals (lane r reads rank r) and combines them with the same butterfly,
-// so all threads of the cluster get bit-identical results.
-// One cluster barrier per call: the totals are double-buffered by `parity`, and a
-// buffer is rewritten two calls later, after the next call's barrier, which no CTA
-// passes before every CTA has finished this call's reads. Before exiting, a CTA
-// must go through one more cluster barrier (cluster.sync()) so that no CTA is still
-// reading its shared memory.
-template <typename V, int THREADS, typename Op>
-struct ClusterAllReduce {
-  using Reduce = cub::BlockReduce<V, THREADS>;
-  struct TempStorage {
-    typename Reduce::TempStorage reduce;
-    V cta_total[2];
-  };
+// ---- teams: the CTAs that hold one slice between them on the resident paths ----
+//
+// A team's CTAs each reduce their threads' values (cub::BlockReduce) and exchange
+// the CTA totals; the totals are combined in rank order (lane l takes ranks l,
+// l + 32, ... in turn, then an xor butterfly), so every thread of the team gets
+// bit-identical results. One team barrier per allreduce: the totals are
+// double-buffered by the round's parity, and a buffer is rewritten two rounds
+// later, after the next round's barrier, which no CTA passes before every CTA has
+// read this round's totals.
+//   ClusterTeam (sm_90+): a thread-block cluster; totals in each CTA's shared
+//     memory, read through DSMEM after a cluster barrier by every warp.
+//   CooperativeTeam (any GPU): `size` consecutive CTAs of a cooperative launch (all
+//     CTAs co-resident, so a team never waits for a CTA that cannot start); totals
+//     in global memory, the barrier an arrival counter per team (release / acquire
+//     at device scope); warp 0 combines and shares the result through shared memory.
+// Team API: rank() in [0, size()), index() in [0, count()) (which team), count()
+// (teams in the grid), allreduce<Op>(value, storage, round) with round = 0, 1, ...
+// counted by every CTA alike, finish() before the CTA exits.
 
-  __device__ static V allreduce(V thread_value, TempStorage& storage, int parity) {
-    namespace cg = cooperative_groups;
-    const cg::cluster_group cluster = cg::this_cluster();
-    const V total = Reduce(storage.reduce).Reduce(thread_value, Op());
-    if (threadIdx.x == 0) storage.cta_total[parity] = total;
-    cluster.sync();  // release this CTA's total, acquire the others'; also frees storage.reduce for reuse
-    const unsigned lane = threadIdx.x % kWarpSize;
-    V rank_total{};
-    if (lane < cluster.num_blocks()) rank_total = *cluster.map_shared_rank(&storage.cta_total[parity], lane);
-    return warp_allreduce(rank_total, Op());
-  }
+template <typename V, int THREADS>
+struct TeamStorage {
+  typename cub::BlockReduce<V, THREADS>::TempStorage reduce;
+  V cta_total[2];
+  V result;
 };
 
-template <int THREADS>
-using ClusterStatsReduce = ClusterAllReduce<SliceStats, THREADS, CombineStats>;
+// Combines `size` CTA totals, total(r) for rank r, in the fixed order above;
+// size <= MAX_SIZE (a team of at most a warp's lanes takes no loop).
+template <typename Op, int MAX_SIZE, typename V, typename TotalOf>
+__device__ __forceinline__ V combine_team_totals(int size, TotalOf total_of) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  V value{};
+  if (lane < size) value = total_of(lane);
+  if constexpr (MAX_SIZE > kWarpSize) {
+    for (int rank = lane + kWarpSize; rank < size; rank += kWarpSize) value = Op()(value, total_of(rank));
+  }
+  return warp_allreduce(value, Op());
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+struct ClusterTeam {
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+
+  __device__ int rank() const { return static_cast<int>(cluster.block_rank()); }
+  __device__ int size() const { return static_cast<int>(cluster.num_blocks()); }
+  __device__ int64_t index() const { return blockIdx.x / size(); }
+  __device__ int64_t count() const { return gridDim.x / size(); }
+
+  template <typename Op, typename V, int THREADS>
+  __device__ V allreduce(V value, TeamStorage<V, THREADS>& storage, int round) const {
+    const int parity = round & 1;
+    const V total = cub::BlockReduce<V, THREADS>(storage.reduce).Reduce(value, Op());
+    if (threadIdx.x == 0) storage.cta_total[parity] = total;
+    cluster.sync();  // release this CTA's total, acquire the others'; also frees storage.reduce for reuse
+    static_assert(kMaxClusterSize <= kWarpSize, "one rank per lane");
+    return combine_team_totals<Op, kMaxClusterSize, V>(
+        size(), [&](int rank) { return *cluster.map_shared_rank(&storage.cta_total[parity], rank); });
+  }
+  // No CTA leaves while another may still read its shared memory.
+  __device__ void finish() const { cluster.sync(); }
+};
 #endif
+
+// Bytes of a cooperative launch's workspace before the totals: one arrival counter
+// per team, rounded up to 16 bytes.
+__host__ __device__ inline size_t team_counter_bytes(int64_t teams) {
+  return static_cast<size_t>((teams * sizeof(unsigned) + 15) / 16 * 16);
+}
+
+struct CooperativeTeam {
+  int size_;
+  int rank_;
+  int64_t index_;
+  int64_t count_;
+  unsigned* arrivals_;  // this team's counter: size_ arrivals per round, from 0
+  char* totals_;        // every team's [2][size_] CTA totals, after the counters
+
+  // workspace: team_counter_bytes(count) zeroed bytes of counters, then
+  // count * 2 * size CTA totals (the launcher sizes and zeroes it).
+  __device__ CooperativeTeam(void* workspace, int size)
+      : size_(size),
+        rank_(static_cast<int>(blockIdx.x % size)),
+        index_(blockIdx.x / size),
+        count_(gridDim.x / size),
+        arrivals_(static_cast<unsigned*>(workspace) + blockIdx.x / size),
+        totals_(static_cast<char*>(workspace) + team_counter_bytes(gridDim.x / size)) {}
+
+  __device__ int rank() const { return rank_; }
+  __device__ int size() const { return size_; }
+  __device__ int64_t index() const { return index_; }
+  __device__ int64_t count() const { return count_; }
+
+  template <typename Op, typename V, int THREADS>
+  __device__ V allreduce(V value, TeamStorage<V, THREADS>& storage, int round) const {
+    static_assert(sizeof(V) % 4 == 0, "totals are read as 32-bit words");
+    V* totals = reinterpret_cast<V*>(totals_) + (index_ * 2 + (round & 1)) * size_;
+    const V total = cub::BlockReduce<V, THREADS>(storage.reduce).Reduce(value, Op());
+    if (threadIdx.x < kWarpSize) {
+      if (threadIdx.x == 0) {
+        totals[rank_] = total;
+        cuda::atomic_ref<unsigned, cuda::thread_scope_device> arrivals(*arrivals_);
+        arrivals.fetch_add(1u, cuda::std::memory_order_release);
+        const unsigned all_arrived = static_cast<unsigned>(size_) * static_cast<unsigned>(round + 1);
+        while (arrivals.load(cuda::std::memory_order_acquire) < all_arrived) {
+        }
+      }
+      __syncwarp();  // the warp after lane 0's acquire
+      const V result = combine_team_totals<Op, INT_MAX, V>(size_, [&](int rank) {
+        // From L2 (ld.global.cg): L1 is not coherent with the other SMs' writes.
+        constexpr int kWords = sizeof(V) / 4;
+        const unsigned* words = reinterpret_cast<const unsigned*>(totals + rank);
+        unsigned loaded[kWords];
+#pragma unroll
+        for (int k = 0; k < kWords; ++k) loaded[k] = __ldcg(words + k);
+        V out;
+        memcpy(&out, loaded, sizeof(V));
+        return out;
+      });
+      if (threadIdx.x == 0) storage.result = result;
+    }
+    __syncthreads();  // storage.result to every thread; also frees storage.reduce for reuse
+    return storage.result;
+  }
+  __device__ void finish() const {}
+};
 
 // ---- host helpers ----
 
@@ -404,42 +495,108 @@ inline int max_active_clusters(const void* kernel, int threads, int shared_bytes
   return max_clusters;
 }
 
-// One configuration of a persistent cluster kernel (forward or backward) for one
-// storage dtype: THREADS per CTA, cta_capacity values of a slice per CTA,
-// shared_bytes of dynamic shared memory. A slice of `spatial` values takes a
-// cluster of ceil(spatial / cta_capacity) CTAs; the grid holds as many clusters as
-// can be resident, each looping over slices.
+// How many CTAs of `kernel` (threads, dynamic shared bytes) can be resident at
+// once on the whole current device, the most a cooperative launch may have. Sets
+// the kernel's shared-memory attribute the launch needs. Cached per (device,
+// kernel).
+inline int max_resident_ctas(const void* kernel, int threads, int shared_bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const auto key = std::make_pair(device, kernel);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+
+  int per_sm = 0, sms = 0, cooperative = 0;
+  if (cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !cooperative ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
+    per_sm = 0;
+  }
+  cudaGetLastError();  // a failed query must not be reported by the next launch check
+  cache.emplace(key, per_sm * sms);
+  return per_sm * sms;
+}
+
+// Which team holds a slice on a resident path (the Team types above).
+enum class TeamKind { kCluster, kCooperative };
+
+// One configuration of a persistent resident kernel (forward or backward) for one
+// storage dtype, compiled for both team kinds: `threads` per CTA, cta_capacity
+// values of a slice per CTA, shared_bytes of dynamic shared memory, total_bytes
+// the size of the CTA total a cooperative team exchanges. A slice of `spatial`
+// values takes a team of ceil(spatial / cta_capacity) CTAs; the grid holds as many
+// teams as can be resident, each looping over slices.
 template <typename Problem>
-struct ClusterVariant {
+struct ResidentVariant {
   DType dtype;
   int threads;
   int cta_capacity;
   int shared_bytes;
-  void (*kernel)(const Problem);
+  int total_bytes;
+  void (*cluster_kernel)(const Problem);
+  void (*cooperative_kernel)(const Problem);
 
-  int cluster_size(int64_t spatial) const { return static_cast<int>((spatial + cta_capacity - 1) / cta_capacity); }
+  int team_size(int64_t spatial) const { return static_cast<int>((spatial + cta_capacity - 1) / cta_capacity); }
+
+  // Cluster teams (sm_90+).
   int active_clusters(int size) const {
-    return max_active_clusters(reinterpret_cast<const void*>(kernel), threads, shared_bytes, size);
+    return max_active_clusters(reinterpret_cast<const void*>(cluster_kernel), threads, shared_bytes, size);
   }
-  // Whether slices of `spatial` values fit a cluster the current device can run.
-  bool fits(int64_t spatial) const {
-    const int size = cluster_size(spatial);
+  bool cluster_fits(int64_t spatial) const {
+    const int size = team_size(spatial);
     return size <= kMaxClusterSize && active_clusters(size) > 0;
   }
-  cudaError_t launch(const Problem& p, cudaStream_t stream) const {
-    const int size = cluster_size(p.spatial);
-    const int64_t num_clusters = std::min<int64_t>(p.num_slices(), active_clusters(size));
+  cudaError_t launch_cluster(const Problem& p, cudaStream_t stream) const {
+    const int size = team_size(p.spatial);
+    const int64_t teams = std::min<int64_t>(p.num_slices(), active_clusters(size));
     cudaLaunchAttribute attribute;
     const cudaLaunchConfig_t config =
-        cluster_launch_config(static_cast<unsigned>(num_clusters * size), threads, shared_bytes, size, stream, &attribute);
-    return cudaLaunchKernelEx(&config, kernel, p);
+        cluster_launch_config(static_cast<unsigned>(teams * size), threads, shared_bytes, size, stream, &attribute);
+    return cudaLaunchKernelEx(&config, cluster_kernel, p);
+  }
+
+  // Cooperative teams (any GPU with cooperative launch); p.workspace must hold
+  // cooperative_workspace_bytes(p).
+  int resident_ctas() const {
+    return max_resident_ctas(reinterpret_cast<const void*>(cooperative_kernel), threads, shared_bytes);
+  }
+  bool cooperative_fits(int64_t spatial) const { return team_size(spatial) <= resident_ctas(); }
+  int64_t cooperative_teams(const Problem& p) const {
+    const int size = team_size(p.spatial);
+    return std::max<int64_t>(1, std::min<int64_t>(p.num_slices(), resident_ctas() / size));
+  }
+  size_t cooperative_workspace_bytes(const Problem& p) const {
+    const int64_t teams = cooperative_teams(p);
+    return team_counter_bytes(teams) + static_cast<size_t>(teams * 2 * team_size(p.spatial) * total_bytes);
+  }
+  cudaError_t launch_cooperative(const Problem& p, cudaStream_t stream) const {
+    if (p.workspace == nullptr) return cudaErrorInvalidValue;
+    const int size = team_size(p.spatial);
+    const int64_t teams = cooperative_teams(p);
+    const cudaError_t error = cudaMemsetAsync(p.workspace, 0, team_counter_bytes(teams), stream);
+    if (error != cudaSuccess) return error;
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeCooperative;
+    attribute.val.cooperative = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(teams * size));
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, cooperative_kernel, p);
   }
 };
 
 // The variant of `dtype` in a table with one entry per DType.
 template <typename Problem, size_t N>
-const ClusterVariant<Problem>& variant_for(const ClusterVariant<Problem> (&variants)[N], DType dtype) {
-  for (const ClusterVariant<Problem>& v : variants) {
+const ResidentVariant<Problem>& variant_for(const ResidentVariant<Problem> (&variants)[N], DType dtype) {
+  for (const ResidentVariant<Problem>& v : variants) {
     if (v.dtype == dtype) return v;
   }
   return variants[0];  // unreachable: every DType has a variant

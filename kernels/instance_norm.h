@@ -41,8 +41,14 @@ enum class ForwardPath : int {
   // per chunk, a tiny kernel that combines them per slice, then a normalize sweep
   // (two reads of x). Needs forward_workspace_bytes() of workspace.
   kSplit = 4,
+  // As kCluster, but the team of CTAs holding a slice is part of a cooperative
+  // launch (all CTAs co-resident) and exchanges statistics through global memory:
+  // no cluster-size limit (slices up to as many CTAs as are resident at once, e.g.
+  // 128^3 fp32 on 64 CTAs), any GPU with room for the staged slice. Needs
+  // forward_workspace_bytes() of workspace.
+  kCooperative = 5,
 };
-constexpr int kNumForwardPaths = 5;
+constexpr int kNumForwardPaths = 6;
 constexpr int64_t kWarpMaxSpatial = 1024;
 constexpr int64_t kBlockMaxSpatial = 16384;
 
@@ -111,8 +117,10 @@ enum class BackwardPath : int {
   kGeneric = 1,
   // Cluster-resident (sm_90+): x and dy of a slice held on chip, read once.
   kCluster = 2,
+  // As kCluster, with a team of CTAs of a cooperative launch instead of a cluster.
+  kCooperative = 3,
 };
-constexpr int kNumBackwardPaths = 3;
+constexpr int kNumBackwardPaths = 4;
 
 // Gradient of the forward with the slice's own statistics (use_input_stats=True),
 // per slice with xhat = (x - mean) * rstd and w = weight[c] (1 without weight):

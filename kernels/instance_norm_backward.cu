@@ -25,8 +25,6 @@ namespace instance_norm {
 // its internals in its own namespace.
 namespace backward_detail {
 
-namespace cg = cooperative_groups;
-
 // ---- per-slice arithmetic shared by every kernel ----
 
 __device__ __forceinline__ float channel_weight(const BackwardProblem& p, int64_t channel) {
@@ -427,7 +425,7 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
 // Per slice: wait for this thread's staged x and dy, move them to registers, sum
 // dy and dy * (x - mean) over them, stage the next slice's x and dy into the same
 // shared memory with cp.async (its HBM read overlaps everything below), reduce the
-// two sums over the cluster (one DSMEM barrier: every CTA gets the same bits), then
+// two sums over the team (one team barrier: every CTA gets the same bits), then
 // compute dx from the registers and write it with streaming stores. HBM: x and dy
 // read once, dx written once.
 // Registers hold the raw 16-byte vectors (unpacked to float when used), so a
@@ -435,16 +433,14 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
 // Needs 2 * THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and spatial at
 // most kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
-template <typename T, int THREADS, int VALUES_PER_THREAD>
-__global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const BackwardProblem p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
+__device__ __forceinline__ void backward_resident(const BackwardProblem& p, const Team& team) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
   static_assert(VALUES_PER_THREAD % kPer == 0, "values are held as whole 16-byte vectors");
   constexpr int kVecs = VALUES_PER_THREAD / kPer;
   constexpr int kCtaVecs = THREADS * kVecs;
-  using Reduce = ClusterAllReduce<float2, THREADS, SumFloat2>;
-  __shared__ typename Reduce::TempStorage storage;
+  __shared__ TeamStorage<float2, THREADS> storage;
   extern __shared__ uint4 staged[];  // x then dy, each [kVecs][THREADS]: each thread owns two columns
 
   const T* x = static_cast<const T*>(p.x);
@@ -452,15 +448,13 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
   T* dx = static_cast<T*>(p.dx);
   const int64_t num_slices = p.num_slices();
   const int spatial = static_cast<int>(p.spatial);
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int cluster_size = static_cast<int>(cluster.num_blocks());
-  const int64_t num_clusters = gridDim.x / cluster_size;
-  const bool writes_sums = cluster.block_rank() == 0 && threadIdx.x == 0;
+  const int64_t num_teams = team.count();
+  const bool writes_sums = team.rank() == 0 && threadIdx.x == 0;
   const float inv_spatial = 1.f / static_cast<float>(spatial);
 
   // This thread's vectors of a slice are first + i * THREADS for i < valid.
   const int num_vecs = spatial / kPer;
-  const int first = static_cast<int>(cluster.block_rank()) * kCtaVecs + threadIdx.x;
+  const int first = team.rank() * kCtaVecs + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
   const unsigned staged_x = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
   const unsigned staged_dy = staged_x + kCtaVecs * 16;
@@ -473,10 +467,10 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
   };
   const unsigned zero = static_cast<unsigned>(spatial) >> 31;  // spatial < 2^31: 0, unknown to the compiler
 
-  int64_t slice = blockIdx.x / cluster_size;
+  int64_t slice = team.index();
   if (slice < num_slices) stage(staged_x, staged_dy, slice);
-  for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
-    const int64_t next = slice + num_clusters;
+  for (int round = 0; slice < num_slices; slice += num_teams, ++round) {
+    const int64_t next = slice + num_teams;
     // Issued before the wait so their latency overlaps it.
     const float mean = __ldg(p.mean + slice);
     const float rstd = __ldg(p.rstd + slice);
@@ -504,7 +498,7 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
       for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
     });
 
-    const float2 total = Reduce::allreduce(sums, storage, parity);
+    const float2 total = team.template allreduce<SumFloat2>(sums, storage, round);
     const float sum_dy_xhat = total.y * rstd;
     if (writes_sums) {
       p.sum_dy[slice] = total.x;
@@ -521,26 +515,42 @@ __global__ void __launch_bounds__(THREADS, 1) backward_cluster_kernel(const Back
       store_streaming(slice_dx + first + i * THREADS, S::pack(out));
     });
   }
-  cluster.sync();  // no CTA leaves while another may still read its shared memory
+  team.finish();
+}
+
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
+__global__ void __launch_bounds__(THREADS, 1) backward_resident_kernel(const BackwardProblem p) {
+  if constexpr (TEAM == TeamKind::kCooperative) {
+    const int size = static_cast<int>((p.spatial + THREADS * VALUES_PER_THREAD - 1) / (THREADS * VALUES_PER_THREAD));
+    backward_resident<T, THREADS, VALUES_PER_THREAD>(p, CooperativeTeam(p.workspace, size));
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    backward_resident<T, THREADS, VALUES_PER_THREAD>(p, ClusterTeam());
 #endif
+  }
 }
 
 // Each CTA holds cta_capacity values of x and of dy; shared_bytes: the staged next
 // slice's x and dy.
 template <typename T, int THREADS, int VALUES>
-constexpr ClusterVariant<BackwardProblem> cluster_variant(DType dtype) {
-  return {dtype, THREADS, THREADS * VALUES, 2 * THREADS * VALUES * static_cast<int>(sizeof(T)),
-          backward_cluster_kernel<T, THREADS, VALUES>};
+constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
+  return {dtype,
+          THREADS,
+          THREADS * VALUES,
+          2 * THREADS * VALUES * static_cast<int>(sizeof(T)),
+          static_cast<int>(sizeof(float2)),
+          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
+          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>};
 }
 
 // One CTA per SM (512 threads): 32 registers of x and 32 of dy per thread (128 KB
 // of registers per CTA) plus 128 KB of staged next slice. float32 512 x 32: a
 // 512 x 512 slice takes a cluster of 16; the 16-bit variants hold 64 values of x
 // and of dy in the same registers, so a 512 x 512 slice takes a cluster of 8.
-constexpr ClusterVariant<BackwardProblem> kClusterVariants[] = {
-    cluster_variant<float, 512, 32>(DType::kFloat32),
-    cluster_variant<__half, 512, 64>(DType::kFloat16),
-    cluster_variant<__nv_bfloat16, 512, 64>(DType::kBFloat16),
+constexpr ResidentVariant<BackwardProblem> kResidentVariants[] = {
+    resident_variant<float, 512, 32>(DType::kFloat32),
+    resident_variant<__half, 512, 64>(DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 64>(DType::kBFloat16),
 };
 
 // The cluster kernel loops over slices with a block reduction and a cluster
@@ -659,17 +669,19 @@ cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
   });
 }
 
-bool cluster_supported(const BackwardProblem& p) {
+bool resident_supported(TeamKind team, const BackwardProblem& p) {
+  const ResidentVariant<BackwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
   return !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
-         aligned16(p.dx) && variant_for(kClusterVariants, p.dtype).fits(p.spatial);
+         aligned16(p.dx) &&
+         (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }
 
 }  // namespace backward_detail
 
 BackwardPath choose_backward_path(const BackwardProblem& problem) {
   using namespace backward_detail;
-  const bool cluster = problem.spatial >= kClusterMinSpatial && cluster_supported(problem) &&
-                       variant_for(kClusterVariants, problem.dtype).cluster_size(problem.spatial) <= kClusterMaxChosenSize;
+  const bool cluster = problem.spatial >= kClusterMinSpatial && resident_supported(TeamKind::kCluster, problem) &&
+                       variant_for(kResidentVariants, problem.dtype).team_size(problem.spatial) <= kClusterMaxChosenSize;
   return cluster ? BackwardPath::kCluster : BackwardPath::kGeneric;
 }
 
@@ -678,7 +690,8 @@ bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) 
   switch (path) {
     case BackwardPath::kAuto:
     case BackwardPath::kGeneric: return true;
-    case BackwardPath::kCluster: return cluster_supported(problem);
+    case BackwardPath::kCluster: return resident_supported(TeamKind::kCluster, problem);
+    case BackwardPath::kCooperative: return resident_supported(TeamKind::kCooperative, problem);
   }
   return false;
 }
@@ -687,7 +700,11 @@ size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath pat
   using namespace backward_detail;
   if (problem.num_slices() <= 0 || problem.spatial <= 0) return 0;
   if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
-  return path == BackwardPath::kGeneric ? generic_workspace_bytes(generic_plan(problem)) : 0;
+  if (path == BackwardPath::kGeneric) return generic_workspace_bytes(generic_plan(problem));
+  if (path == BackwardPath::kCooperative) {
+    return variant_for(kResidentVariants, problem.dtype).cooperative_workspace_bytes(problem);
+  }
+  return 0;
 }
 
 // kAuto chooses again here, with the real dx. A workspace sized by a query made
@@ -700,7 +717,9 @@ cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStre
   if (problem.dx == nullptr || !backward_path_supported(path, problem)) return cudaErrorInvalidValue;
   if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
   if (path == BackwardPath::kGeneric) return launch_generic(problem, stream);
-  return variant_for(kClusterVariants, problem.dtype).launch(problem, stream);
+  const ResidentVariant<BackwardProblem>& variant = variant_for(kResidentVariants, problem.dtype);
+  return path == BackwardPath::kCluster ? variant.launch_cluster(problem, stream)
+                                        : variant.launch_cooperative(problem, stream);
 }
 
 }  // namespace instance_norm

@@ -333,4 +333,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chosen_path", &chosen_path, "ForwardPath that path=0 takes for this input on its device", py::arg("input"));
   m.def("path_supported", &path_supported, "Whether forward(input, ..., path) can run this input on its device",
         py::arg("input"), py::arg("path"));
+  // Forced paths are 1 .. num_forward_paths - 1 and 1 .. num_backward_paths - 1 (0: automatic).
+  m.attr("num_forward_paths") = instance_norm::kNumForwardPaths;
+  m.attr("num_backward_paths") = instance_norm::kNumBackwardPaths;
 }

@@ -14,8 +14,6 @@ namespace instance_norm {
 // its internals in its own namespace.
 namespace forward_detail {
 
-namespace cg = cooperative_groups;
-
 // Per-channel affine of slice `slice`: y = (x - mean) * rstd * weight + bias.
 __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
   const int64_t channel = slice % p.num_channels;
@@ -103,47 +101,45 @@ __global__ void __launch_bounds__(row_cta_threads<GROUP>(), 65536 / 64 / row_cta
   }
 }
 
-// Cluster-resident path (sm_90+), persistent. The grid holds as many clusters of
+// Resident paths, persistent: kCluster (a thread-block cluster per slice, sm_90+)
+// and kCooperative (a team of CTAs of a cooperative launch, any size up to the
+// resident CTAs; common.cuh, teams). The grid holds as many teams of
 // ceil(spatial / (THREADS * VALUES_PER_THREAD)) CTAs as can be resident at once,
-// and cluster k normalizes slices k, k + num_clusters, ... (one cluster per slice
-// is limited by the GPU's cluster launch rate: docs/perf-notes.md).
+// and team k normalizes slices k, k + teams, ... (one team per slice is limited by
+// the GPU's launch rate: docs/perf-notes.md).
 // For each slice, CTA rank r owns the contiguous chunk
 // [r, r + 1) * THREADS * VALUES_PER_THREAD; thread t owns its 16-byte vectors
 // first + i * THREADS (coalesced across the CTA).
 // Per slice: wait for this thread's staged vectors, move them from shared memory
 // to registers, start staging the next slice into the same shared memory
 // with cp.async (so its HBM read overlaps everything below), take the mean and then
-// the centered M2 of the registers, merge them across the block (cub) and the cluster
-// (DSMEM, one cluster barrier), normalize the registers and write them. HBM is
+// the centered M2 of the registers, merge them across the block (cub) and the team
+// (one team barrier), normalize the registers and write them. HBM is
 // read once and written once. Statistics are of the shifted, scaled values
 // (SliceShift), so a constant slice gives exactly 0 (before bias) and values near
 // 1e30 do not overflow.
 // Needs THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and spatial at
 // most kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
-template <typename T, int THREADS, int VALUES_PER_THREAD>
-__global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const ForwardProblem p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
+__device__ __forceinline__ void forward_resident(const ForwardProblem& p, const Team& team) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
   static_assert(VALUES_PER_THREAD % kPer == 0, "values are held as whole 16-byte vectors");
   constexpr int kVecs = VALUES_PER_THREAD / kPer;
   constexpr int kCtaVecs = THREADS * kVecs;
-  using Reduce = ClusterStatsReduce<THREADS>;
-  __shared__ typename Reduce::TempStorage storage;
+  __shared__ TeamStorage<SliceStats, THREADS> storage;
   extern __shared__ uint4 staged[];  // [kVecs][THREADS]: each thread owns its column
 
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   const int spatial = static_cast<int>(p.spatial);
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int cluster_size = static_cast<int>(cluster.num_blocks());
-  const int64_t num_clusters = gridDim.x / cluster_size;
+  const int64_t num_teams = team.count();
   const int64_t num_slices = p.num_slices();
 
   // This thread's vectors of a slice are first + i * THREADS for i < valid.
   const int num_vecs = spatial / kPer;
-  const int first = static_cast<int>(cluster.block_rank()) * kCtaVecs + threadIdx.x;
+  const int first = team.rank() * kCtaVecs + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
   const unsigned staged_column = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
   const auto stage = [&](unsigned column, int64_t slice) {
@@ -152,11 +148,11 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
   };
   const unsigned zero = static_cast<unsigned>(spatial) >> 31;  // spatial < 2^31: 0, unknown to the compiler
 
-  int64_t slice = blockIdx.x / cluster_size;
+  int64_t slice = team.index();
   float first_value = slice < num_slices ? S::to_float(x[slice * spatial]) : 0.f;
   if (slice < num_slices) stage(staged_column, slice);
-  for (int parity = 0; slice < num_slices; slice += num_clusters, parity ^= 1) {
-    const int64_t next = slice + num_clusters;
+  for (int round = 0; slice < num_slices; slice += num_teams, ++round) {
+    const int64_t next = slice + num_teams;
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const SliceShift shift = SliceShift::of(first_value);
     const float2 affine = slice_affine(p, slice);
@@ -188,7 +184,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
         }
       });
     }
-    stats = Reduce::allreduce(stats, storage, parity);
+    stats = team.template allreduce<CombineStats>(stats, storage, round);
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
     const float scale = rstd * affine.x;
@@ -200,35 +196,53 @@ __global__ void __launch_bounds__(THREADS, 1) forward_cluster_kernel(const Forwa
       store_streaming(slice_y + first + i * THREADS, S::pack(out));
     });
     // After the stores, where the values' registers are free (saving earlier spills).
-    if (threadIdx.x == 0 && cluster.block_rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
+    if (threadIdx.x == 0 && team.rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     first_value = next_first_value;
   }
-  cluster.sync();  // no CTA leaves while another may still read its shared memory
+  team.finish();
+}
+
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
+__global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
+  if constexpr (TEAM == TeamKind::kCooperative) {
+    const int size = static_cast<int>((p.spatial + THREADS * VALUES_PER_THREAD - 1) / (THREADS * VALUES_PER_THREAD));
+    forward_resident<T, THREADS, VALUES_PER_THREAD>(p, CooperativeTeam(p.workspace, size));
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    forward_resident<T, THREADS, VALUES_PER_THREAD>(p, ClusterTeam());
 #endif
+  }
 }
 
 template <typename T, int THREADS, int VALUES>
-constexpr ClusterVariant<ForwardProblem> cluster_variant(DType dtype) {
-  return {dtype, THREADS, THREADS * VALUES, THREADS * VALUES * static_cast<int>(sizeof(T)),
-          forward_cluster_kernel<T, THREADS, VALUES>};
+constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
+  return {dtype,
+          THREADS,
+          THREADS * VALUES,
+          THREADS * VALUES * static_cast<int>(sizeof(T)),
+          static_cast<int>(sizeof(SliceStats)),
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>};
 }
 
 // 512 threads x 16 vectors: 128 KB of registers plus 128 KB of the staged next
 // slice per CTA, one CTA per SM. A 512 x 512 slice takes a cluster of 8 in fp32 (64
 // values per thread) and of 4 in fp16/bf16 (128 values per thread)
 // (docs/perf-notes.md compares shapes).
-constexpr ClusterVariant<ForwardProblem> kClusterVariants[] = {
-    cluster_variant<float, 512, 64>(DType::kFloat32),
-    cluster_variant<__half, 512, 128>(DType::kFloat16),
-    cluster_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
+constexpr ResidentVariant<ForwardProblem> kResidentVariants[] = {
+    resident_variant<float, 512, 64>(DType::kFloat32),
+    resident_variant<__half, 512, 128>(DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
 };
 
 bool vector_aligned(const ForwardProblem& p) {
   return p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y);
 }
 
-bool cluster_supported(const ForwardProblem& p) {
-  return p.layout == Layout::kContiguous && vector_aligned(p) && variant_for(kClusterVariants, p.dtype).fits(p.spatial);
+bool resident_supported(TeamKind team, const ForwardProblem& p) {
+  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
+  return p.layout == Layout::kContiguous && vector_aligned(p) &&
+         (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }
 
 template <typename T, int GROUP, int VALUES>
@@ -271,7 +285,8 @@ ForwardPath choose_forward_path(const ForwardProblem& problem) {
   if (problem.layout != Layout::kContiguous) return ForwardPath::kSplit;
   if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
   if (problem.spatial <= kBlockMaxSpatial) return ForwardPath::kBlock;
-  return cluster_supported(problem) ? ForwardPath::kCluster : ForwardPath::kSplit;
+  if (resident_supported(TeamKind::kCluster, problem)) return ForwardPath::kCluster;
+  return resident_supported(TeamKind::kCooperative, problem) ? ForwardPath::kCooperative : ForwardPath::kSplit;
 }
 
 bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
@@ -280,7 +295,8 @@ bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
   switch (path) {
     case ForwardPath::kAuto: return true;
     case ForwardPath::kBlock: return contiguous && problem.spatial <= kBlockMaxSpatial;
-    case ForwardPath::kCluster: return cluster_supported(problem);
+    case ForwardPath::kCluster: return resident_supported(TeamKind::kCluster, problem);
+    case ForwardPath::kCooperative: return resident_supported(TeamKind::kCooperative, problem);
     case ForwardPath::kWarp: return contiguous && problem.spatial <= kWarpMaxSpatial;
     case ForwardPath::kSplit: return split_supported(problem);
   }
@@ -290,7 +306,11 @@ bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
 size_t forward_workspace_bytes(const ForwardProblem& problem, ForwardPath path) {
   using namespace forward_detail;
   if (path == ForwardPath::kAuto) path = choose_forward_path(problem);
-  return problem.running_mean != nullptr || path == ForwardPath::kSplit ? split_workspace_bytes(problem) : 0;
+  if (problem.running_mean != nullptr || path == ForwardPath::kSplit) return split_workspace_bytes(problem);
+  if (path == ForwardPath::kCooperative) {
+    return variant_for(kResidentVariants, problem.dtype).cooperative_workspace_bytes(problem);
+  }
+  return 0;
 }
 
 // With running statistics (eval) every path is the same elementwise sweep.
@@ -303,7 +323,9 @@ cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_
   switch (path) {
     case ForwardPath::kBlock: return launch_block(problem, stream);
     case ForwardPath::kWarp: return launch_warp(problem, stream);
-    default: return variant_for(kClusterVariants, problem.dtype).launch(problem, stream);
+    case ForwardPath::kCooperative:
+      return variant_for(kResidentVariants, problem.dtype).launch_cooperative(problem, stream);
+    default: return variant_for(kResidentVariants, problem.dtype).launch_cluster(problem, stream);
   }
 }
 

@@ -6,7 +6,7 @@ import torch
 
 import math
 
-from reference import (BLOCK, CLUSTER, DTYPES, FORWARD_PATHS, SPLIT, TOLERANCE, WARP, channels_last,
+from reference import (BLOCK, CLUSTER, COOPERATIVE, DTYPES, FORWARD_PATHS, SPLIT, TOLERANCE, WARP, channels_last,
                        float64_reference, float64_stats, run_poisoned)
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ def check_paths(solution, x, weight=None, bias=None, expect_paths=None):
 # Largest slice each path holds (kernels/instance_norm.h); the cluster path also
 # needs spatial to be a multiple of the 16-byte vector (4 fp32, 8 fp16/bf16 values).
 WARP_MAX, BLOCK_MAX = 1024, 16384
-CLUSTER_CAPACITY = {torch.float32: 16 * 512 * 64, torch.float16: 16 * 512 * 128, torch.bfloat16: 16 * 512 * 128}
+CTA_CAPACITY = {torch.float32: 512 * 64, torch.float16: 512 * 128, torch.bfloat16: 512 * 128}
 
 
 def expected_paths(shape, dtype):
@@ -55,8 +55,12 @@ def expected_paths(shape, dtype):
         paths.add(WARP)
     if spatial <= BLOCK_MAX:
         paths.add(BLOCK)
-    if spatial % (4 if dtype == torch.float32 else 8) == 0 and spatial <= CLUSTER_CAPACITY[dtype]:
-        paths.add(CLUSTER)
+    if spatial % (4 if dtype == torch.float32 else 8) == 0:
+        ctas = -(-spatial // CTA_CAPACITY[dtype])
+        if ctas <= 16:
+            paths.add(CLUSTER)
+        if ctas <= torch.cuda.get_device_properties(0).multi_processor_count:
+            paths.add(COOPERATIVE)
     return paths
 
 
@@ -66,7 +70,7 @@ def expected_paths(shape, dtype):
 SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
           (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 512, 512), (1, 3, 724, 724),
           (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96), (1, 2, 64, 64, 64),
-          (70000 // 64 + 1, 64, 4, 4)]
+          (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4)]
 
 
 def shape_id(shape):
@@ -125,7 +129,7 @@ def test_misaligned_view_is_correct(solution):
     for spatial, dtype in (((64, 64), torch.float32), ((40, 40), torch.bfloat16), ((600, 600), torch.float16)):
         storage = torch.randn(2 * 3 * spatial[0] * spatial[1] + 1, device="cuda").to(dtype)
         x = storage[1:].view(2, 3, *spatial)
-        assert x.data_ptr() % 16 != 0 and CLUSTER not in paths_for(solution, x)
+        assert x.data_ptr() % 16 != 0 and not {CLUSTER, COOPERATIVE} & set(paths_for(solution, x))
         check_paths(solution, x)
 
 
@@ -219,9 +223,11 @@ def test_automatic_path_per_size(solution):
     assert chosen(2, 3, 33, 31) == WARP
     assert chosen(2, 3, 45, 45) == BLOCK
     assert chosen(2, 320, 128, 128) == BLOCK
-    assert chosen(1, 2, 1024, 1024) == SPLIT
+    assert chosen(1, 2, 1024, 1024) == COOPERATIVE  # 32 CTAs
     assert chosen(1, 2, 1024, 1024, dtype=torch.bfloat16) == CLUSTER
-    assert chosen(1, 32, 128, 128, 128) == SPLIT
+    assert chosen(1, 32, 128, 128, 128) == COOPERATIVE  # 64 CTAs
+    assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
+    assert chosen(1, 2, 1031, 1031) == SPLIT  # not a multiple of the vector
     assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == SPLIT
 
 
@@ -229,6 +235,8 @@ def test_forced_path_that_cannot_run_is_refused(solution):
     x = torch.rand(1, 1, 1024, 1024, device="cuda")
     with pytest.raises(RuntimeError, match="cannot run"):
         solution._EXT.forward(x, path=CLUSTER)
+    with pytest.raises(RuntimeError, match="cannot run"):
+        solution._EXT.forward(torch.rand(1, 1, 4096, 4096, device="cuda"), path=COOPERATIVE)
     with pytest.raises(RuntimeError, match="cannot run"):
         solution._EXT.forward(x, path=WARP)
     with pytest.raises(RuntimeError, match="cannot run"):

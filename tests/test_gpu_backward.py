@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from reference import BACKWARD_CLUSTER, BACKWARD_GENERIC, DTYPES, channels_last, float64_reference, run_poisoned
+from reference import (BACKWARD_CLUSTER, BACKWARD_GENERIC, BACKWARD_PATHS, DTYPES, channels_last, float64_reference,
+                       run_poisoned)
 
 pytestmark = pytest.mark.gpu
 # Max abs error of gradients relative to the float64 gradient's largest magnitude.
@@ -28,11 +29,11 @@ def assert_close_scaled(actual, expected, tolerance, what):
 
 
 SHAPES = [(4, 8, 128, 128), (2, 3, 512, 512), (3, 5, 7, 7), (2, 3, 33, 31), (2, 2, 1024, 1024), (2, 16, 1000),
-          (1, 4, 24, 24, 24), (70000 // 64 + 1, 64, 4, 4)]
+          (1, 4, 24, 24, 24), (3, 11, 300, 300), (70000 // 64 + 1, 64, 4, 4)]
 
 
 def backward_paths(solution, x):
-    return [p for p in (BACKWARD_GENERIC, BACKWARD_CLUSTER) if solution._EXT.backward_path_supported(x, p)]
+    return [p for p in BACKWARD_PATHS if solution._EXT.backward_path_supported(x, p)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
