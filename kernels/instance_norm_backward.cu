@@ -415,24 +415,26 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   });
 }
 
-// ---- cluster path (sm_90+), persistent, x and dy read once ----
+// ---- resident paths, persistent, x and dy read once: kCluster (a thread-block
+// cluster per slice, sm_90+) and kCooperative (a team of CTAs of a cooperative
+// launch; common.cuh, teams) ----
 
-// The grid holds as many clusters of ceil(spatial / (THREADS * VALUES_PER_THREAD))
-// CTAs as can be resident at once; cluster k takes slices k, k + num_clusters, ...
-// (one cluster per slice is limited by the cluster launch rate: docs/perf-notes.md).
+// The grid holds as many teams of ceil(spatial / (THREADS * VALUES_PER_THREAD))
+// CTAs as can be resident at once; team k takes slices k, k + teams, ...
+// (one team per slice is limited by the launch rate: docs/perf-notes.md).
 // For each slice, CTA rank r owns the values [r, r + 1) * THREADS * VALUES_PER_THREAD;
 // thread t owns its 16-byte vectors first + i * THREADS of x and of dy.
-// Per slice: wait for this thread's staged x and dy, move them to registers, sum
-// dy and dy * (x - mean) over them, stage the next slice's x and dy into the same
-// shared memory with cp.async (its HBM read overlaps everything below), reduce the
+// Per slice: wait for this thread's staged x and dy, move them to registers, at
+// once stage the next slice's x and dy into the same shared memory with cp.async
+// (its HBM read overlaps everything below), sum dy and dy * (x - mean), reduce the
 // two sums over the team (one team barrier: every CTA gets the same bits), then
 // compute dx from the registers and write it with streaming stores. HBM: x and dy
 // read once, dx written once.
 // Registers hold the raw 16-byte vectors (unpacked to float when used), so a
 // 16-bit variant holds twice the values of a float32 one in the same registers.
 // Needs 2 * THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
-// spatial % Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and spatial at
-// most kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
+// spatial % Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and a team
+// size the device can run (as the forward's; the launcher checks).
 template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
 __device__ __forceinline__ void backward_resident(const BackwardProblem& p, const Team& team) {
   using S = Storage<T>;
@@ -561,6 +563,9 @@ constexpr int64_t kClusterMinSpatial = 4096;
 // Clusters of more than 8 CTAs lose to the generic path: fp32 (112, 64, 512, 512)
 // needs 16 and took 9.03 ms against the generic path's 8.75 (bf16, cluster of 8:
 // 4.22 against 4.37; docs/perf-notes.md), as 16-CTA clusters did in the forward.
+// Cooperative teams are never chosen automatically: fp32 (112, 64, 512, 512) 8.83
+// ms against the generic path's 8.64; (1, 32, 128, 128, 128) fp32 0.351 against
+// 0.334, bf16 0.179 against 0.182 (docs/perf-notes.md #32).
 constexpr int64_t kClusterMaxChosenSize = 8;
 
 // ---- host: the choice of path and the launches ----

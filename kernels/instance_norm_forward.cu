@@ -111,16 +111,18 @@ __global__ void __launch_bounds__(row_cta_threads<GROUP>(), 65536 / 64 / row_cta
 // [r, r + 1) * THREADS * VALUES_PER_THREAD; thread t owns its 16-byte vectors
 // first + i * THREADS (coalesced across the CTA).
 // Per slice: wait for this thread's staged vectors, move them from shared memory
-// to registers, start staging the next slice into the same shared memory
-// with cp.async (so its HBM read overlaps everything below), take the mean and then
+// to registers, at once start staging the next slice into the same shared memory
+// with cp.async (so its HBM read overlaps everything below; after_reading orders
+// the restage after the reads without waiting for the sum), take the mean and then
 // the centered M2 of the registers, merge them across the block (cub) and the team
 // (one team barrier), normalize the registers and write them. HBM is
 // read once and written once. Statistics are of the shifted, scaled values
 // (SliceShift), so a constant slice gives exactly 0 (before bias) and values near
 // 1e30 do not overflow.
 // Needs THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
-// spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and spatial at
-// most kMaxClusterSize * THREADS * VALUES_PER_THREAD (the launcher checks).
+// spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and a team size
+// the device can run: a cluster of at most kMaxClusterSize CTAs, or at most the
+// resident CTAs for a cooperative team (the launcher checks).
 template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
 __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const Team& team) {
   using S = Storage<T>;
