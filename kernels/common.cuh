@@ -1,6 +1,7 @@
 // Helpers shared by the InstanceNorm kernels: storage-type traits, streaming
-// stores, cp.async staging, the mean/M2 statistics of a slice and their warp,
-// block and cluster reductions; on the host, dtype dispatch and cluster launches.
+// stores, cp.async staging, the mean/M2 statistics of a slice and their warp and
+// block reductions, the resident paths' teams (cluster or cooperative launch); on
+// the host, dtype dispatch, occupancy queries and the resident paths' launches.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -126,7 +127,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 
 // cp.async-copies this thread's 16-byte vectors i < valid (column[i * THREADS])
 // into its shared-memory column (staged_column + i * THREADS * 16 bytes), then
-// commits: the staging of the cluster paths' next slice.
+// commits: the staging of the resident paths' next slice.
 template <int THREADS, int... I>
 __device__ __forceinline__ void stage_column(unsigned staged_column, const uint4* column, int valid,
                                              std::integer_sequence<int, I...>) {
@@ -301,7 +302,8 @@ using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 // read this round's totals.
 //   ClusterTeam (sm_90+): a thread-block cluster; totals in each CTA's shared
 //     memory, read through DSMEM after a cluster barrier by every warp.
-//   CooperativeTeam (any GPU): `size` consecutive CTAs of a cooperative launch (all
+//   CooperativeTeam (sm_80+ with room for the kernel's shared memory, about 128
+//     KB per CTA): `size` consecutive CTAs of a cooperative launch (all
 //     CTAs co-resident, so a team never waits for a CTA that cannot start); totals
 //     in global memory, the barrier an arrival counter per team (release / acquire
 //     at device scope); warp 0 combines and shares the result through shared memory.
@@ -353,6 +355,13 @@ struct ClusterTeam {
 };
 #endif
 
+// CTAs in the team that holds a slice of `spatial` values, `cta_capacity` per CTA;
+// the one formula the launchers (sizing grids and workspaces) and the cooperative
+// kernels (ranks, counters) share.
+__host__ __device__ constexpr int team_size_for(int64_t spatial, int cta_capacity) {
+  return static_cast<int>((spatial + cta_capacity - 1) / cta_capacity);
+}
+
 // Bytes of a cooperative launch's workspace before the totals: one arrival counter
 // per team, rounded up to 16 bytes.
 __host__ __device__ inline size_t team_counter_bytes(int64_t teams) {
@@ -385,6 +394,10 @@ struct CooperativeTeam {
   template <typename Op, typename V, int THREADS>
   __device__ V allreduce(V value, TeamStorage<V, THREADS>& storage, int round) const {
     static_assert(sizeof(V) % 4 == 0, "totals are read as 32-bit words");
+    // Thread 0 rewrites storage.result next round only after cub's barrier inside
+    // Reduce, which every thread passes after reading this round's result; a
+    // one-warp CTA would have no such barrier.
+    static_assert(THREADS > kWarpSize, "storage.result reuse relies on cub's CTA barrier");
     V* totals = reinterpret_cast<V*>(totals_) + (index_ * 2 + (round & 1)) * size_;
     const V total = cub::BlockReduce<V, THREADS>(storage.reduce).Reduce(value, Op());
     if (threadIdx.x < kWarpSize) {
@@ -540,7 +553,7 @@ struct ResidentVariant {
   void (*cluster_kernel)(const Problem);
   void (*cooperative_kernel)(const Problem);
 
-  int team_size(int64_t spatial) const { return static_cast<int>((spatial + cta_capacity - 1) / cta_capacity); }
+  int team_size(int64_t spatial) const { return team_size_for(spatial, cta_capacity); }
 
   // Cluster teams (sm_90+).
   int active_clusters(int size) const {

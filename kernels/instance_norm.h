@@ -117,7 +117,9 @@ enum class BackwardPath : int {
   kGeneric = 1,
   // Cluster-resident (sm_90+): x and dy of a slice held on chip, read once.
   kCluster = 2,
-  // As kCluster, with a team of CTAs of a cooperative launch instead of a cluster.
+  // As kCluster, with a team of CTAs of a cooperative launch instead of a cluster
+  // (sm_80+, no cluster-size limit); needs backward_workspace_bytes() of workspace.
+  // Never chosen automatically (slower than kGeneric wherever measured).
   kCooperative = 3,
 };
 constexpr int kNumBackwardPaths = 4;

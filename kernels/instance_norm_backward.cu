@@ -523,7 +523,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
 template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
 __global__ void __launch_bounds__(THREADS, 1) backward_resident_kernel(const BackwardProblem p) {
   if constexpr (TEAM == TeamKind::kCooperative) {
-    const int size = static_cast<int>((p.spatial + THREADS * VALUES_PER_THREAD - 1) / (THREADS * VALUES_PER_THREAD));
+    const int size = team_size_for(p.spatial, THREADS * VALUES_PER_THREAD);
     backward_resident<T, THREADS, VALUES_PER_THREAD>(p, CooperativeTeam(p.workspace, size));
   } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

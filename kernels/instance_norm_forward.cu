@@ -1,7 +1,7 @@
 // InstanceNorm forward on contiguous (num_slices, spatial) data of float32,
-// float16 or bfloat16: the warp- and CTA-per-slice and cluster-resident kernels,
-// and the one place that chooses a path (the split path and the eval-mode sweep
-// are in instance_norm_split.cu).
+// float16 or bfloat16: the warp- and CTA-per-slice and resident (cluster or
+// cooperative team) kernels, and the one place that chooses a path (the split
+// path and the eval-mode sweep are in instance_norm_split.cu).
 #include "common.cuh"
 #include "instance_norm.h"
 #include "split.h"
@@ -207,7 +207,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
 template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
 __global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
   if constexpr (TEAM == TeamKind::kCooperative) {
-    const int size = static_cast<int>((p.spatial + THREADS * VALUES_PER_THREAD - 1) / (THREADS * VALUES_PER_THREAD));
+    const int size = team_size_for(p.spatial, THREADS * VALUES_PER_THREAD);
     forward_resident<T, THREADS, VALUES_PER_THREAD>(p, CooperativeTeam(p.workspace, size));
   } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -281,7 +281,8 @@ static_assert(kBlockMaxSpatial == 16 * forward_detail::kBlockPathThreads,
               "the block path's largest variant holds 16 values per thread");
 
 // Slices that fit a warp or a CTA take the row paths, which keep many slices in
-// flight per SM; larger ones the cluster path where it runs, else the split path.
+// flight per SM; larger ones the cluster path where it runs, else cooperative teams
+// where the slice fits the resident CTAs, else the split path.
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
   if (problem.layout != Layout::kContiguous) return ForwardPath::kSplit;
