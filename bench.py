@@ -185,7 +185,7 @@ def summary(results, backward):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=parse_shape, default=SEED_SHAPE, help="N,C,*spatial (default 112,64,512,512)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="input dtype (default float32)")
     parser.add_argument("--channels-last", action="store_true", help="channels-last input")

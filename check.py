@@ -91,7 +91,7 @@ def check_trial(solution, shape, seed, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=parse_shape, default=(112, 64, 512, 512), help="N,C,H,W (default 112,64,512,512)")
     parser.add_argument("--trials", type=int, default=5, help="number of seeds (default 5)")
     parser.add_argument("--path", type=int, default=0,
