@@ -4,7 +4,8 @@
 #   tests     python -m pytest -m gpu, then check.py
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py
 #             (our kernels only; SANITIZERS="racecheck" picks tools)
-#   bench     bench.py --paths (the README command) on the seed shape, fp32 and bf16
+#   bench     bench.py --paths (the README command) on the seed shape, fp32 and bf16, and
+#             on the 3d row (1, 32, 128, 128, 128) fp32 (the cooperative path)
 #   suite     bench.py --suite, forward and --backward
 #
 #   bash tools/gpu_session.sh [stage ...]
@@ -37,6 +38,7 @@ fi
 if has bench; then
   python -m pip install -q -r requirements.txt && python bench.py --paths --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   python3 bench.py --dtype bfloat16 --paths --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_bf16.log"
+  python3 bench.py --shape 1,32,128,128,128 --paths --json "$OUT/bench_3d.json" 2>&1 | tee "$OUT/bench_3d.log"
 fi
 if has suite; then
   python3 bench.py --suite --runs 20 --json "$OUT/suite.json" 2>&1 | tee "$OUT/suite.log" | sed -n '/^summary/,$p'
