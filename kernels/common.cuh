@@ -311,6 +311,9 @@ using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 // (teams in the grid), allreduce<Op>(value, storage, round) with round = 0, 1, ...
 // counted by every CTA alike, finish() before the CTA exits.
 
+// Which team holds a slice on a resident path.
+enum class TeamKind { kCluster, kCooperative };
+
 template <typename V, int THREADS>
 struct TeamStorage {
   typename cub::BlockReduce<V, THREADS>::TempStorage reduce;
@@ -429,6 +432,21 @@ struct CooperativeTeam {
   __device__ void finish() const {}
 };
 
+// Calls body(team) with this CTA's team of kind TEAM: its cluster, or the `size`
+// consecutive CTAs of the cooperative launch (workspace: their counters and
+// totals). Cluster teams exist on sm_90+ only; built for older GPUs the cluster
+// kernel is empty, and the launcher never runs it there.
+template <TeamKind TEAM, typename Body>
+__device__ __forceinline__ void with_team(void* workspace, int size, Body body) {
+  if constexpr (TEAM == TeamKind::kCooperative) {
+    body(CooperativeTeam(workspace, size));
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    body(ClusterTeam());
+#endif
+  }
+}
+
 // ---- host helpers ----
 
 // Calls f(T{}) with T the storage type of `dtype`.
@@ -458,15 +476,11 @@ inline int values_per_vector(DType dtype) { return 16 / element_bytes(dtype); }
 // before the output exists; the caching allocator's blocks are aligned).
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Launch configuration of `num_ctas` CTAs of `threads` threads in clusters of
-// `cluster_size` along x, with `shared_bytes` of dynamic shared memory.
-// `attribute` must outlive the launch call.
-inline cudaLaunchConfig_t cluster_launch_config(unsigned num_ctas, int threads, int shared_bytes, int cluster_size,
-                                                cudaStream_t stream, cudaLaunchAttribute* attribute) {
-  attribute->id = cudaLaunchAttributeClusterDimension;
-  attribute->val.clusterDim.x = cluster_size;
-  attribute->val.clusterDim.y = 1;
-  attribute->val.clusterDim.z = 1;
+// Launch configuration of `num_ctas` CTAs of `threads` threads with
+// `shared_bytes` of dynamic shared memory and one launch attribute, which must
+// outlive the launch call.
+inline cudaLaunchConfig_t attributed_launch_config(unsigned num_ctas, int threads, int shared_bytes,
+                                                   cudaStream_t stream, cudaLaunchAttribute* attribute) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(num_ctas);
   config.blockDim = dim3(threads);
@@ -477,65 +491,81 @@ inline cudaLaunchConfig_t cluster_launch_config(unsigned num_ctas, int threads, 
   return config;
 }
 
-// How many clusters of `cluster_size` CTAs of `kernel` (threads, dynamic shared
-// bytes) can be resident at once on the current device: 0 on pre-Hopper GPUs, or
-// where a GPC is too small (some MIG partitions). Sets the kernel's non-portable
-// cluster size and shared-memory attributes the launch needs. Cached per (device,
-// kernel, cluster size): the query costs microseconds.
-inline int max_active_clusters(const void* kernel, int threads, int shared_bytes, int cluster_size) {
+// Launch configuration of `num_ctas` CTAs of `threads` threads in clusters of
+// `cluster_size` along x, with `shared_bytes` of dynamic shared memory.
+// `attribute` must outlive the launch call.
+inline cudaLaunchConfig_t cluster_launch_config(unsigned num_ctas, int threads, int shared_bytes, int cluster_size,
+                                                cudaStream_t stream, cudaLaunchAttribute* attribute) {
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = cluster_size;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  return attributed_launch_config(num_ctas, threads, shared_bytes, stream, attribute);
+}
+
+// The same for a cooperative launch (all CTAs co-resident).
+inline cudaLaunchConfig_t cooperative_launch_config(unsigned num_ctas, int threads, int shared_bytes,
+                                                    cudaStream_t stream, cudaLaunchAttribute* attribute) {
+  attribute->id = cudaLaunchAttributeCooperative;
+  attribute->val.cooperative = 1;
+  return attributed_launch_config(num_ctas, threads, shared_bytes, stream, attribute);
+}
+
+// query(device) for the current device, cached per (device, kernel, tag): the
+// occupancy queries below cost microseconds. 0 without a current device. A failed
+// query must not be reported by the next launch check, so errors are cleared.
+template <typename Query>
+int cached_occupancy(const void* kernel, int tag, Query query) {
   static std::mutex mutex;
   static std::map<std::tuple<int, const void*, int>, int> cache;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const auto key = std::make_tuple(device, kernel, cluster_size);
+  const auto key = std::make_tuple(device, kernel, tag);
   const std::lock_guard<std::mutex> lock(mutex);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
+  const int value = query(device);
+  cudaGetLastError();
+  cache.emplace(key, value);
+  return value;
+}
 
-  int max_clusters = 0;
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
-      (cluster_size <= 8 ||
-       cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) == cudaSuccess) {
-    cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config =
-        cluster_launch_config(cluster_size, threads, shared_bytes, cluster_size, nullptr, &attribute);
-    if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config) != cudaSuccess) max_clusters = 0;
-  }
-  cudaGetLastError();  // a failed query must not be reported by the next launch check
-  cache.emplace(key, max_clusters);
-  return max_clusters;
+// How many clusters of `cluster_size` CTAs of `kernel` (threads, dynamic shared
+// bytes) can be resident at once on the current device: 0 on pre-Hopper GPUs, or
+// where a GPC is too small (some MIG partitions). Sets the kernel's non-portable
+// cluster size and shared-memory attributes the launch needs. Cached.
+inline int max_active_clusters(const void* kernel, int threads, int shared_bytes, int cluster_size) {
+  return cached_occupancy(kernel, cluster_size, [&](int device) {
+    int max_clusters = 0;
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
+        (cluster_size <= 8 ||
+         cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) == cudaSuccess) {
+      cudaLaunchAttribute attribute;
+      const cudaLaunchConfig_t config =
+          cluster_launch_config(cluster_size, threads, shared_bytes, cluster_size, nullptr, &attribute);
+      if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config) != cudaSuccess) max_clusters = 0;
+    }
+    return max_clusters;
+  });
 }
 
 // How many CTAs of `kernel` (threads, dynamic shared bytes) can be resident at
 // once on the whole current device, the most a cooperative launch may have. Sets
-// the kernel's shared-memory attribute the launch needs. Cached per (device,
-// kernel).
+// the kernel's shared-memory attribute the launch needs. Cached.
 inline int max_resident_ctas(const void* kernel, int threads, int shared_bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, int> cache;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const auto key = std::make_pair(device, kernel);
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-
-  int per_sm = 0, sms = 0, cooperative = 0;
-  if (cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !cooperative ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
-    per_sm = 0;
-  }
-  cudaGetLastError();  // a failed query must not be reported by the next launch check
-  cache.emplace(key, per_sm * sms);
-  return per_sm * sms;
+  return cached_occupancy(kernel, 0, [&](int device) {
+    int per_sm = 0, sms = 0, cooperative = 0;
+    if (cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !cooperative ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
+      per_sm = 0;
+    }
+    return per_sm * sms;
+  });
 }
-
-// Which team holds a slice on a resident path (the Team types above).
-enum class TeamKind { kCluster, kCooperative };
 
 // One configuration of a persistent resident kernel (forward or backward) for one
 // storage dtype, compiled for both team kinds: `threads` per CTA, cta_capacity
@@ -593,15 +623,8 @@ struct ResidentVariant {
     const cudaError_t error = cudaMemsetAsync(p.workspace, 0, team_counter_bytes(teams), stream);
     if (error != cudaSuccess) return error;
     cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeCooperative;
-    attribute.val.cooperative = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(teams * size));
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = shared_bytes;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    const cudaLaunchConfig_t config =
+        cooperative_launch_config(static_cast<unsigned>(teams * size), threads, shared_bytes, stream, &attribute);
     return cudaLaunchKernelEx(&config, cooperative_kernel, p);
   }
 };

@@ -522,14 +522,8 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
 
 template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
 __global__ void __launch_bounds__(THREADS, 1) backward_resident_kernel(const BackwardProblem p) {
-  if constexpr (TEAM == TeamKind::kCooperative) {
-    const int size = team_size_for(p.spatial, THREADS * VALUES_PER_THREAD);
-    backward_resident<T, THREADS, VALUES_PER_THREAD>(p, CooperativeTeam(p.workspace, size));
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    backward_resident<T, THREADS, VALUES_PER_THREAD>(p, ClusterTeam());
-#endif
-  }
+  with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
+                  [&](const auto& team) { backward_resident<T, THREADS, VALUES_PER_THREAD>(p, team); });
 }
 
 // Each CTA holds cta_capacity values of x and of dy; shared_bytes: the staged next

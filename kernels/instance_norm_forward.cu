@@ -206,14 +206,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
 
 template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
 __global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
-  if constexpr (TEAM == TeamKind::kCooperative) {
-    const int size = team_size_for(p.spatial, THREADS * VALUES_PER_THREAD);
-    forward_resident<T, THREADS, VALUES_PER_THREAD>(p, CooperativeTeam(p.workspace, size));
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    forward_resident<T, THREADS, VALUES_PER_THREAD>(p, ClusterTeam());
-#endif
-  }
+  with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
+                  [&](const auto& team) { forward_resident<T, THREADS, VALUES_PER_THREAD>(p, team); });
 }
 
 template <typename T, int THREADS, int VALUES>
