@@ -491,7 +491,10 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     }
     // The next slice's HBM reads start as soon as this thread's columns are in
     // registers, and overlap everything below.
-    if (next < num_slices) stage(after_reading(staged_x, x_raw, zero), after_reading(staged_dy, dy_raw, zero), next);
+    const bool stages_late = Team::kPublisherStagesLate && in_publisher_warp();
+    if (next < num_slices && !stages_late) {
+      stage(after_reading(staged_x, x_raw, zero), after_reading(staged_dy, dy_raw, zero), next);
+    }
     float2 sums = make_float2(0.f, 0.f);
     for_each_unpacked<T>(x_raw, valid, [&](int i, const float(&xv)[kPer]) {
       float dyv[kPer];
@@ -501,6 +504,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     });
 
     const float2 total = team.template allreduce<SumFloat2>(sums, storage, round);
+    if (next < num_slices && stages_late) stage(staged_x, staged_dy, next);
     const float sum_dy_xhat = total.y * rstd;
     if (writes_sums) {
       p.sum_dy[slice] = total.x;

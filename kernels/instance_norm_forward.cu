@@ -168,7 +168,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     for (int i = 0; i < kVecs; ++i) raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
     // The next slice's HBM read starts as soon as this thread's column is in
     // registers, and overlaps everything below.
-    if (next < num_slices) stage(after_reading(staged_column, raw, zero), next);
+    const bool stages_late = Team::kPublisherStagesLate && in_publisher_warp();
+    if (next < num_slices && !stages_late) stage(after_reading(staged_column, raw, zero), next);
     float sum = 0.f;
     for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
 #pragma unroll
@@ -187,6 +188,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
       });
     }
     stats = team.template allreduce<CombineStats>(stats, storage, round);
+    if (next < num_slices && stages_late) stage(staged_column, next);
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
     const float scale = rstd * affine.x;
