@@ -108,6 +108,43 @@ __device__ __forceinline__ void for_each_unpacked(const uint4 (&raw)[N], int val
   }
 }
 
+// An L2 eviction policy that keeps lines (evict_last), for load_keep_in_l2.
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// 16-byte load of base + OFFSET bytes that asks L2 (through `policy`) to keep the
+// line for a second read soon. OFFSET is an immediate, so a loop over offsets keeps
+// one base register pair.
+template <int OFFSET>
+__device__ __forceinline__ uint4 load_keep_in_l2(const void* base, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4+%6], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(base), "l"(policy), "n"(OFFSET));
+  return v;
+}
+
+// 16-byte last-use load (evict-first) of base + OFFSET bytes, OFFSET an immediate.
+template <int OFFSET>
+__device__ __forceinline__ uint4 load_last_use(const void* base) {
+  uint4 v;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(base), "n"(OFFSET));
+  return v;
+}
+
+// store_streaming to base + OFFSET bytes, OFFSET an immediate.
+template <int OFFSET>
+__device__ __forceinline__ void store_streaming_at(void* base, uint4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0+%5], {%1, %2, %3, %4};" ::"l"(base), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w),
+               "n"(OFFSET)
+               : "memory");
+}
+
 // Every output element is written once: streaming (evict-first) 16-byte stores
 // keep it from displacing reusable lines in L2.
 __device__ __forceinline__ void store_streaming(uint4* p, uint4 v) { __stcs(p, v); }

@@ -1,5 +1,6 @@
 // InstanceNorm backward (use_input_stats=True) on contiguous or channels-last data
-// of float32, float16 or bfloat16: the cluster-resident single-read kernel, the
+// of float32, float16 or bfloat16: the resident kernels (x held on chip by a
+// cluster or a cooperative team, dy read twice, the second time from L2), the
 // generic partial-sums / combine / dx kernels, and the one place that chooses
 // between them.
 //
@@ -415,7 +416,33 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   });
 }
 
-// ---- resident paths, persistent, x and dy read once: kCluster (a thread-block
+// dy_raw[j] = this thread's dy vector b + j (column[(b + j) * THREADS]) for b + j <
+// valid (b a compile-time value after unrolling). With KEEP the loads ask L2 to
+// keep the lines (the first read); without, they are last-use (the second read).
+template <int THREADS, bool KEEP, int N, int... J>
+__device__ __forceinline__ void load_batch(const uint4* column, int b, int valid, uint4 (&dy_raw)[N],
+                                           std::integer_sequence<int, J...>) {
+  const uint4* base = column + b * THREADS;
+  if constexpr (KEEP) {
+    // The policy is made per batch, beside its loads. Made once before the slice
+    // loop, the fp32 (112, 64, 512, 512) backward took 8.04 ms instead of 6.91
+    // (bf16 3.80 instead of 3.49; same device call, docs/perf-notes.md #37). The
+    // cause was not found (no SASS was compared).
+    const uint64_t policy = l2_evict_last_policy();
+    ((b + J < valid ? void(dy_raw[J] = load_keep_in_l2<J * THREADS * 16>(base, policy)) : void()), ...);
+  } else {
+    ((b + J < valid ? void(dy_raw[J] = load_last_use<J * THREADS * 16>(base)) : void()), ...);
+  }
+}
+
+// Streaming stores of dx_raw[j] to column[j * THREADS] for b + j < valid.
+template <int THREADS, int N, int... J>
+__device__ __forceinline__ void store_batch(uint4* column, int b, int valid, const uint4 (&dx_raw)[N],
+                                            std::integer_sequence<int, J...>) {
+  ((b + J < valid ? store_streaming_at<J * THREADS * 16>(column, dx_raw[J]) : void()), ...);
+}
+
+// ---- resident paths, persistent, x and dy read from HBM once: kCluster (a thread-block
 // cluster per slice, sm_90+) and kCooperative (a team of CTAs of a cooperative
 // launch; common.cuh, teams) ----
 
@@ -424,15 +451,17 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
 // (one team per slice is limited by the launch rate: docs/perf-notes.md).
 // For each slice, CTA rank r owns the values [r, r + 1) * THREADS * VALUES_PER_THREAD;
 // thread t owns its 16-byte vectors first + i * THREADS of x and of dy.
-// Per slice: wait for this thread's staged x and dy, move them to registers, at
-// once stage the next slice's x and dy into the same shared memory with cp.async
-// (its HBM read overlaps everything below), sum dy and dy * (x - mean), reduce the
-// two sums over the team (one team barrier: every CTA gets the same bits), then
-// compute dx from the registers and write it with streaming stores. HBM: x and dy
-// read once, dx written once.
+// Per slice: wait for this thread's staged x, move it to registers, at once stage
+// the next slice's x into the same shared memory with cp.async (its HBM read
+// overlaps everything below), read dy in batches (asking L2 to keep it) and sum dy
+// and dy * (x - mean), reduce the two sums over the team (one team barrier: every
+// CTA gets the same bits), then read dy again (from L2 if it kept it), compute dx
+// and write it with streaming stores. HBM: x and dy read once when L2 keeps the
+// team's dy (1 MB per fp32 512 x 512 slice) between the two reads, dx written once;
+// ncu on fp32 (16, 64, 512, 512): 2.16 GB read from DRAM for 2.15 GB of x and dy.
 // Registers hold the raw 16-byte vectors (unpacked to float when used), so a
 // 16-bit variant holds twice the values of a float32 one in the same registers.
-// Needs 2 * THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
+// Needs THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and a team
 // size the device can run (as the forward's; the launcher checks).
 template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
@@ -442,8 +471,10 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
   static_assert(VALUES_PER_THREAD % kPer == 0, "values are held as whole 16-byte vectors");
   constexpr int kVecs = VALUES_PER_THREAD / kPer;
   constexpr int kCtaVecs = THREADS * kVecs;
+  constexpr int kBatch = 4;  // dy vectors per thread loaded together
+  static_assert(kVecs % kBatch == 0, "dy is read in whole batches");
   __shared__ TeamStorage<float2, THREADS> storage;
-  extern __shared__ uint4 staged[];  // x then dy, each [kVecs][THREADS]: each thread owns two columns
+  extern __shared__ uint4 staged[];  // x, [kVecs][THREADS]: each thread owns its column
 
   const T* x = static_cast<const T*>(p.x);
   const T* dy = static_cast<const T*>(p.dy);
@@ -459,52 +490,52 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
   const int first = team.rank() * kCtaVecs + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
   const unsigned staged_x = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
-  const unsigned staged_dy = staged_x + kCtaVecs * 16;
-  const auto stage = [&](unsigned column_x, unsigned column_dy, int64_t slice) {
-    const int64_t offset = slice * spatial;
-    stage_column<THREADS>(column_x, reinterpret_cast<const uint4*>(x + offset) + first, valid,
-                          std::make_integer_sequence<int, kVecs>());
-    stage_column<THREADS>(column_dy, reinterpret_cast<const uint4*>(dy + offset) + first, valid,
+  const auto stage = [&](unsigned column_x, int64_t slice) {
+    stage_column<THREADS>(column_x, reinterpret_cast<const uint4*>(x + slice * spatial) + first, valid,
                           std::make_integer_sequence<int, kVecs>());
   };
   const unsigned zero = static_cast<unsigned>(spatial) >> 31;  // spatial < 2^31: 0, unknown to the compiler
 
   int64_t slice = team.index();
-  if (slice < num_slices) stage(staged_x, staged_dy, slice);
+  if (slice < num_slices) stage(staged_x, slice);
   for (int round = 0; slice < num_slices; slice += num_teams, ++round) {
     const int64_t next = slice + num_teams;
     // Issued before the wait so their latency overlaps it.
     const float mean = __ldg(p.mean + slice);
     const float rstd = __ldg(p.rstd + slice);
     const float weight = channel_weight(p, slice % p.num_channels);
+    const uint4* slice_dy = reinterpret_cast<const uint4*>(dy + slice * spatial) + first;
 
-    uint4 x_raw[kVecs], dy_raw[kVecs];
+    uint4 x_raw[kVecs];
     cp_async_wait_all();
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      if (i < valid) {
-        x_raw[i] = staged[i * THREADS + threadIdx.x];
-        dy_raw[i] = staged[kCtaVecs + i * THREADS + threadIdx.x];
-      } else {
-        x_raw[i] = dy_raw[i] = make_uint4(0, 0, 0, 0);
-      }
-    }
-    // The next slice's HBM reads start as soon as this thread's columns are in
-    // registers, and overlap everything below.
+    for (int i = 0; i < kVecs; ++i) x_raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
+    // The next slice's x read starts as soon as this thread's column is in
+    // registers, and overlaps everything below.
     const bool stages_late = Team::kPublisherStagesLate && in_publisher_warp();
-    if (next < num_slices && !stages_late) {
-      stage(after_reading(staged_x, x_raw, zero), after_reading(staged_dy, dy_raw, zero), next);
-    }
+    if (next < num_slices && !stages_late) stage(after_reading(staged_x, x_raw, zero), next);
+
+    // dy, first read (HBM), in batches: L2 is asked to keep it for the second.
     float2 sums = make_float2(0.f, 0.f);
-    for_each_unpacked<T>(x_raw, valid, [&](int i, const float(&xv)[kPer]) {
-      float dyv[kPer];
-      S::unpack(dy_raw[i], dyv);
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
-    });
+    for (int b = 0; b < kVecs; b += kBatch) {
+      uint4 dy_raw[kBatch];
+      load_batch<THREADS, true>(slice_dy, b, valid, dy_raw, std::make_integer_sequence<int, kBatch>());
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (b + j < valid) {
+          float xv[kPer], dyv[kPer];
+          S::unpack(x_raw[b + j], xv);
+          S::unpack(dy_raw[j], dyv);
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+        }
+      }
+      asm volatile("" ::: "memory");  // one batch of dy in registers at a time
+    }
 
     const float2 total = team.template allreduce<SumFloat2>(sums, storage, round);
-    if (next < num_slices && stages_late) stage(staged_x, staged_dy, next);
+    if (next < num_slices && stages_late) stage(staged_x, next);
     const float sum_dy_xhat = total.y * rstd;
     if (writes_sums) {
       p.sum_dy[slice] = total.x;
@@ -512,14 +543,25 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     }
     const DxCoefficients coefficients =
         dx_coefficients(mean, rstd, weight, total.x, sum_dy_xhat, inv_spatial);
-    uint4* slice_dx = reinterpret_cast<uint4*>(dx + slice * spatial);
-    for_each_unpacked<T>(x_raw, valid, [&](int i, const float(&xv)[kPer]) {
-      float dyv[kPer], out[kPer];
-      S::unpack(dy_raw[i], dyv);
+    uint4* slice_dx = reinterpret_cast<uint4*>(dx + slice * spatial) + first;
+    // dy, second and last read (from L2 when it kept it), evict-first.
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
-      store_streaming(slice_dx + first + i * THREADS, S::pack(out));
-    });
+    for (int b = 0; b < kVecs; b += kBatch) {
+      uint4 dy_raw[kBatch];
+      load_batch<THREADS, false>(slice_dy, b, valid, dy_raw, std::make_integer_sequence<int, kBatch>());
+      uint4 dx_raw[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float xv[kPer], dyv[kPer], out[kPer];
+        S::unpack(x_raw[b + j], xv);
+        S::unpack(dy_raw[j], dyv);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
+        dx_raw[j] = S::pack(out);
+      }
+      store_batch<THREADS>(slice_dx + b * THREADS, b, valid, dx_raw, std::make_integer_sequence<int, kBatch>());
+      asm volatile("" ::: "memory");  // one batch of dy in registers at a time
+    }
   }
   team.finish();
 }
@@ -530,27 +572,27 @@ __global__ void __launch_bounds__(THREADS, 1) backward_resident_kernel(const Bac
                   [&](const auto& team) { backward_resident<T, THREADS, VALUES_PER_THREAD>(p, team); });
 }
 
-// Each CTA holds cta_capacity values of x and of dy; shared_bytes: the staged next
-// slice's x and dy.
+// Each CTA holds cta_capacity values of x; shared_bytes: the staged next slice's x.
 template <typename T, int THREADS, int VALUES>
 constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
-          2 * THREADS * VALUES * static_cast<int>(sizeof(T)),
+          THREADS * VALUES * static_cast<int>(sizeof(T)),
           static_cast<int>(sizeof(float2)),
           backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
           backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>};
 }
 
-// One CTA per SM (512 threads): 32 registers of x and 32 of dy per thread (128 KB
-// of registers per CTA) plus 128 KB of staged next slice. float32 512 x 32: a
-// 512 x 512 slice takes a cluster of 16; the 16-bit variants hold 64 values of x
-// and of dy in the same registers, so a 512 x 512 slice takes a cluster of 8.
+// One CTA per SM (512 threads): 64 registers of x per thread (128 KB of registers
+// per CTA) plus 128 KB of the staged next slice's x; dy is read twice in batches of
+// 4 vectors, the second time from L2. float32 512 x 64: a 512 x 512 slice takes a
+// cluster of 8; the 16-bit variants hold 128 values of x in the same registers, so a
+// 512 x 512 slice takes a cluster of 4.
 constexpr ResidentVariant<BackwardProblem> kResidentVariants[] = {
-    resident_variant<float, 512, 32>(DType::kFloat32),
-    resident_variant<__half, 512, 64>(DType::kFloat16),
-    resident_variant<__nv_bfloat16, 512, 64>(DType::kBFloat16),
+    resident_variant<float, 512, 64>(DType::kFloat32),
+    resident_variant<__half, 512, 128>(DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
 };
 
 // The cluster kernel loops over slices with a block reduction and a cluster
@@ -558,12 +600,12 @@ constexpr ResidentVariant<BackwardProblem> kResidentVariants[] = {
 // few bytes per CTA to hide that, and the generic path (all SMs, many warps in
 // flight) is faster. Forcing kCluster still runs smaller slices. To be measured.
 constexpr int64_t kClusterMinSpatial = 4096;
-// Clusters of more than 8 CTAs lose to the generic path: fp32 (112, 64, 512, 512)
-// needs 16 and took 9.03 ms against the generic path's 8.75 (bf16, cluster of 8:
-// 4.22 against 4.37; docs/perf-notes.md), as 16-CTA clusters did in the forward.
-// Cooperative teams are never chosen automatically: fp32 (112, 64, 512, 512) 8.83
-// ms against the generic path's 8.64; (1, 32, 128, 128, 128) fp32 0.351 against
-// 0.334, bf16 0.179 against 0.182 (docs/perf-notes.md #32).
+// Clusters of more than 8 CTAs are not chosen: when the resident kernels held dy
+// on chip too, fp32 (112, 64, 512, 512) needed 16 and took 9.03 ms against the
+// generic path's 8.75, as 16-CTA clusters did in the forward (docs/perf-notes.md).
+// Not re-measured since dy is read from L2; cooperative teams take those slices:
+// (1, 32, 128, 128, 128) fp32 0.297 ms against the generic path's 0.337, bf16
+// 0.164 against 0.183 (docs/perf-notes.md #37).
 constexpr int64_t kClusterMaxChosenSize = 8;
 
 // ---- host: the choice of path and the launches ----
@@ -685,7 +727,9 @@ BackwardPath choose_backward_path(const BackwardProblem& problem) {
   using namespace backward_detail;
   const bool cluster = problem.spatial >= kClusterMinSpatial && resident_supported(TeamKind::kCluster, problem) &&
                        variant_for(kResidentVariants, problem.dtype).team_size(problem.spatial) <= kClusterMaxChosenSize;
-  return cluster ? BackwardPath::kCluster : BackwardPath::kGeneric;
+  if (cluster) return BackwardPath::kCluster;
+  const bool cooperative = problem.spatial >= kClusterMinSpatial && resident_supported(TeamKind::kCooperative, problem);
+  return cooperative ? BackwardPath::kCooperative : BackwardPath::kGeneric;
 }
 
 bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) {
