@@ -424,10 +424,11 @@ __device__ __forceinline__ void load_batch(const uint4* column, int b, int valid
                                            std::integer_sequence<int, J...>) {
   const uint4* base = column + b * THREADS;
   if constexpr (KEEP) {
-    // The policy is made per batch, beside its loads. Made once before the slice
-    // loop, the fp32 (112, 64, 512, 512) backward took 8.04 ms instead of 6.91
-    // (bf16 3.80 instead of 3.49; same device call, docs/perf-notes.md #37). The
-    // cause was not found (no SASS was compared).
+    // The policy is made per batch, beside its loads: the volatile createpolicy
+    // keeps each batch's loads issued back to back. Made once before the slice
+    // loop, ptxas spread the loads among the previous batch's arithmetic (SASS,
+    // cuobjdump), fewer were in flight, and the fp32 (112, 64, 512, 512) backward
+    // took 8.04 ms instead of 6.91 (bf16 3.80 instead of 3.49; docs/perf-notes.md #37).
     const uint64_t policy = l2_evict_last_policy();
     ((b + J < valid ? void(dy_raw[J] = load_keep_in_l2<J * THREADS * 16>(base, policy)) : void()), ...);
   } else {
