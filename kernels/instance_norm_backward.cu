@@ -551,6 +551,9 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
       uint4 dy_raw[kBatch];
       load_batch<THREADS, false>(slice_dy, b, valid, dy_raw, std::make_integer_sequence<int, kBatch>());
       uint4 dx_raw[kBatch];
+      // Vectors j with b + j >= valid are computed from unloaded dy_raw and never
+      // stored. A guard here would change the scheduling this loop was timed with
+      // (#37: a scheduling change moved the fp32 seed by 14%); not yet measured.
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         float xv[kPer], dyv[kPer], out[kPer];
@@ -596,15 +599,16 @@ constexpr ResidentVariant<BackwardProblem> kResidentVariants[] = {
     resident_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
 };
 
-// The cluster kernel loops over slices with a block reduction and a cluster
-// barrier each (~ microseconds); below about this many values a slice moves too
-// few bytes per CTA to hide that, and the generic path (all SMs, many warps in
-// flight) is faster. Forcing kCluster still runs smaller slices. To be measured.
+// The resident kernels loop over slices with a block reduction and a team barrier
+// each (~ microseconds); below about this many values a slice moves too few bytes
+// per CTA to hide that, and the generic path (all SMs, many warps in flight) is
+// faster. Forcing kCluster or kCooperative still runs smaller slices. To be measured.
 constexpr int64_t kClusterMinSpatial = 4096;
 // Clusters of more than 8 CTAs are not chosen: when the resident kernels held dy
 // on chip too, fp32 (112, 64, 512, 512) needed 16 and took 9.03 ms against the
 // generic path's 8.75, as 16-CTA clusters did in the forward (docs/perf-notes.md).
-// Not re-measured since dy is read from L2; cooperative teams take those slices:
+// Not re-measured since dy is read from L2; cooperative teams take those slices
+// (and only those: on sm_80, with no clusters, smaller slices stay generic):
 // (1, 32, 128, 128, 128) fp32 0.297 ms against the generic path's 0.337, bf16
 // 0.164 against 0.183 (docs/perf-notes.md #37).
 constexpr int64_t kClusterMaxChosenSize = 8;
@@ -726,11 +730,14 @@ bool resident_supported(TeamKind team, const BackwardProblem& p) {
 
 BackwardPath choose_backward_path(const BackwardProblem& problem) {
   using namespace backward_detail;
-  const bool cluster = problem.spatial >= kClusterMinSpatial && resident_supported(TeamKind::kCluster, problem) &&
-                       variant_for(kResidentVariants, problem.dtype).team_size(problem.spatial) <= kClusterMaxChosenSize;
-  if (cluster) return BackwardPath::kCluster;
-  const bool cooperative = problem.spatial >= kClusterMinSpatial && resident_supported(TeamKind::kCooperative, problem);
-  return cooperative ? BackwardPath::kCooperative : BackwardPath::kGeneric;
+  if (problem.spatial < kClusterMinSpatial) return BackwardPath::kGeneric;
+  // Slices a cluster of <= 8 CTAs holds: the cluster path where the GPU has one.
+  // Larger ones: a cooperative team.
+  const TeamKind team = variant_for(kResidentVariants, problem.dtype).team_size(problem.spatial) <= kClusterMaxChosenSize
+                            ? TeamKind::kCluster
+                            : TeamKind::kCooperative;
+  if (!resident_supported(team, problem)) return BackwardPath::kGeneric;
+  return team == TeamKind::kCluster ? BackwardPath::kCluster : BackwardPath::kCooperative;
 }
 
 bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) {
@@ -747,7 +754,14 @@ bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) 
 size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath path) {
   using namespace backward_detail;
   if (problem.num_slices() <= 0 || problem.spatial <= 0) return 0;
-  if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
+  if (path == BackwardPath::kAuto) {
+    path = choose_backward_path(problem);
+    // A null dx counts as aligned; if the real one is not, backward() takes the
+    // generic path, so a query made before dx exists covers that path too.
+    if (problem.dx == nullptr && path != BackwardPath::kGeneric) {
+      return std::max(backward_workspace_bytes(problem, path), generic_workspace_bytes(generic_plan(problem)));
+    }
+  }
   if (path == BackwardPath::kGeneric) return generic_workspace_bytes(generic_plan(problem));
   if (path == BackwardPath::kCooperative) {
     return variant_for(kResidentVariants, problem.dtype).cooperative_workspace_bytes(problem);
@@ -755,10 +769,8 @@ size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath pat
   return 0;
 }
 
-// kAuto chooses again here, with the real dx. A workspace sized by a query made
-// before dx existed (a null dx counts as aligned, so the query may say kCluster and
-// 0 bytes) is missing only if dx turns out misaligned; the generic path then
-// returns cudaErrorInvalidValue for a null workspace.
+// kAuto chooses again here, with the real dx (a workspace sized before dx existed
+// also covers the generic path, which a misaligned dx falls back to).
 cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStream_t stream) {
   using namespace backward_detail;
   if (problem.num_slices() <= 0 || problem.spatial <= 0) return cudaSuccess;
