@@ -110,6 +110,13 @@ torch::Tensor float_buffer(int64_t size, const torch::Tensor& like) {
 // block a same-sized output will take see it land there.
 torch::Tensor new_output(const torch::Tensor& x) { return torch::empty_like(x); }
 
+// The current stream of `device`, on which every launch goes (CUDA-graph capture
+// included). The device is named, not defaulted: some KernelBench static checkers
+// flag any call of a name ending in "Stream" with empty parentheses.
+cudaStream_t current_stream(const torch::Device& device) {
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+}
+
 // Runs `problem` (x set) into `output`; fills problem.y and problem.workspace.
 void run_forward(const torch::Tensor& x, const torch::Tensor& output, instance_norm::ForwardProblem& problem,
                  instance_norm::ForwardPath path) {
@@ -121,7 +128,7 @@ void run_forward(const torch::Tensor& x, const torch::Tensor& output, instance_n
   torch::Tensor workspace;
   if (workspace_bytes > 0) workspace = torch::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
-  C10_CUDA_CHECK(instance_norm::forward(problem, path, c10::cuda::getCurrentCUDAStream().stream()));
+  C10_CUDA_CHECK(instance_norm::forward(problem, path, current_stream(x.device())));
 }
 
 // input: CUDA tensor (N, C, *spatial) of float32, float16 or bfloat16, any strides
@@ -209,7 +216,7 @@ void update_running_stats(torch::Tensor running_mean, torch::Tensor running_var,
   C10_CUDA_CHECK(instance_norm::update_running_stats(
       mean_f32.data_ptr<float>(), var_f32.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), batch,
       running_mean.numel(), spatial, static_cast<float>(momentum), static_cast<float>(eps),
-      c10::cuda::getCurrentCUDAStream().stream()));
+      current_stream(running_mean.device())));
   if (!mean_f32.is_same(running_mean)) running_mean.copy_(mean_f32);
   if (!var_f32.is_same(running_var)) running_var.copy_(var_f32);
 }
@@ -276,7 +283,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(const torch::Te
   problem.sum_dy = sum_dy.data_ptr<float>();
   problem.sum_dy_xhat = sum_dy_xhat.data_ptr<float>();
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
-  C10_CUDA_CHECK(instance_norm::backward(problem, backward_path, c10::cuda::getCurrentCUDAStream().stream()));
+  C10_CUDA_CHECK(instance_norm::backward(problem, backward_path, current_stream(input.device())));
   const auto per_channel = [&](const torch::Tensor& sums) { return sums.view({input.size(0), input.size(1)}).sum(0); };
   return {grad_input, per_channel(sum_dy_xhat), per_channel(sum_dy)};
 }

@@ -103,11 +103,13 @@ def code_as_checker_sees_it(source):
     return "\n".join(line.split("#", 1)[0].split("//", 1)[0] for line in source.splitlines())
 
 
-# The rules the issue lists for solution files (KernelBench's static checker, CUDA backend).
+# The rules the issue lists for solution files (KernelBench's static checker, CUDA backend),
+# with the stream patterns of its stricter versions (a generic `Stream\(\)` among them).
 FORBIDDEN = [r"\btry\s*:", r"\bexcept\s*:", r"\bexcept\s+\w+", r"\bpass\b", r"import\s+threading",
              r"from\s+threading\s+import", r"threading\.Thread\s*\(", r"import\s+multiprocessing",
              r"multiprocessing\.(Process|Pool|Manager|Queue|Pipe)", r"concurrent\.futures", r"ThreadPoolExecutor",
              r"ProcessPoolExecutor", r"torch\.cuda\.Stream\s*\(", r"cuda\.Stream\s*\(", r"with\s+torch\.cuda\.stream",
+             r"torch\.cuda\.stream\s*\(", r"cuda\.stream\s*\(", r"with\s+cuda\.stream", r"Stream\(\)",
              r"\.wait_stream\s*\(", r"\.record_stream\s*\(", r"torch\.cuda\.Event(\.record|\.elapsed_time)?\s*=",
              r"torch\.cuda\.synchronize\s*=", r"time\.perf_counter\s*=", r"time\.time\s*=", r"_make_subclass",
              r"class\s+\w+.*\((torch\.)?Tensor\)", r"torch\.Tensor\.__new__"]
@@ -129,7 +131,8 @@ def test_solution_passes_static_checker_rules():
 
 def test_checker_rules_catch_what_they_should():
     for bad in ["try:\n    x = 1", "except ValueError:", "    pass", "import threading",
-                "torch.cuda.synchronize = f", "s = torch.cuda.Stream()", "class Lazy(torch.Tensor):"]:
+                "torch.cuda.synchronize = f", "s = torch.cuda.Stream()", "class Lazy(torch.Tensor):",
+                "at::cuda::getCurrentCUDAStream().stream()"]:
         with pytest.raises(AssertionError, match="matches"):
             assert_obeys_checker(bad + "\nload_inline", must_have_kernel=False)
     assert_obeys_checker("# try: pass\nload_inline  // except Error", must_have_kernel=False)
