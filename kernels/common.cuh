@@ -351,11 +351,6 @@ using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 // Which team holds a slice on a resident path.
 enum class TeamKind { kCluster, kCooperative };
 
-// Warp 0 holds the thread that releases a cooperative team's arrival (thread 0); a
-// release waits for that thread's memory operations in flight, so on cooperative
-// teams the kernels stage warp 0's columns of the next slice after the allreduce.
-__device__ __forceinline__ bool in_publisher_warp() { return threadIdx.x < kWarpSize; }
-
 template <typename V, int THREADS>
 struct TeamStorage {
   typename cub::BlockReduce<V, THREADS>::TempStorage reduce;
@@ -378,7 +373,9 @@ __device__ __forceinline__ V combine_team_totals(int size, TotalOf total_of) {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 struct ClusterTeam {
-  static constexpr bool kPublisherStagesLate = false;
+  // Every thread stages its next-slice columns before the allreduce (a split like
+  // the cooperative team's was 8-10% slower on clusters: docs/perf-notes.md #35).
+  __device__ static constexpr bool stages_after_allreduce() { return false; }
   cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
 
   __device__ int rank() const { return static_cast<int>(cluster.block_rank()); }
@@ -415,7 +412,10 @@ __host__ __device__ inline size_t team_counter_bytes(int64_t teams) {
 }
 
 struct CooperativeTeam {
-  static constexpr bool kPublisherStagesLate = true;
+  // Warp 0 holds the thread that releases the team's arrival (thread 0); a release
+  // waits for that thread's memory operations in flight, so warp 0 stages its
+  // columns of the next slice after the allreduce (docs/perf-notes.md #36).
+  __device__ static bool stages_after_allreduce() { return threadIdx.x < kWarpSize; }
   int size_;
   int rank_;
   int64_t index_;

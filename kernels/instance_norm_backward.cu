@@ -513,7 +513,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     for (int i = 0; i < kVecs; ++i) x_raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
     // The next slice's x read starts as soon as this thread's column is in
     // registers, and overlaps everything below.
-    const bool stages_late = Team::kPublisherStagesLate && in_publisher_warp();
+    const bool stages_late = Team::stages_after_allreduce();
     if (next < num_slices && !stages_late) stage(after_reading(staged_x, x_raw, zero), next);
 
     // dy, first read (HBM), in batches: L2 is asked to keep it for the second.

@@ -168,7 +168,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     for (int i = 0; i < kVecs; ++i) raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
     // The next slice's HBM read starts as soon as this thread's column is in
     // registers, and overlaps everything below.
-    const bool stages_late = Team::kPublisherStagesLate && in_publisher_warp();
+    const bool stages_late = Team::stages_after_allreduce();
     if (next < num_slices && !stages_late) stage(after_reading(staged_column, raw, zero), next);
     float sum = 0.f;
     for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {

@@ -36,7 +36,7 @@ def nvcc():
 # The one exception, bounded: ptxas spills 28-40 bytes in the cooperative backward
 # kernels (TeamKind 1; sm_90a and sm_80, nvcc 13.0), whose cluster twins hold the
 # same 64 registers of x without spilling. Most of it comes from warp 0's second,
-# late copy of the 16 cp.async stagings (with kPublisherStagesLate false: 0-36 B).
+# late copy of the 16 cp.async stagings (with stages_after_allreduce() false: 0-36 B).
 # With the spills they are the fastest backward where no 8-CTA cluster fits:
 # (1, 32, 128, 128, 128) fp32 0.297 ms against the generic path's 0.337
 # (docs/perf-notes.md #37).
