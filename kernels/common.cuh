@@ -7,6 +7,7 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cuda/atomic>
+#include <cuda/ptx>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -108,33 +109,12 @@ __device__ __forceinline__ void for_each_unpacked(const uint4 (&raw)[N], int val
   }
 }
 
-// An L2 eviction policy that keeps lines (evict_last), for load_keep_in_l2.
+// An L2 eviction policy that keeps lines (evict_last), for a first read whose
+// second should find them in L2.
 __device__ __forceinline__ uint64_t l2_evict_last_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   return policy;
-}
-
-// 16-byte load of base + OFFSET bytes that asks L2 (through `policy`) to keep the
-// line for a second read soon. OFFSET is an immediate, so a loop over offsets keeps
-// one base register pair.
-template <int OFFSET>
-__device__ __forceinline__ uint4 load_keep_in_l2(const void* base, uint64_t policy) {
-  uint4 v;
-  asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4+%6], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(base), "l"(policy), "n"(OFFSET));
-  return v;
-}
-
-// 16-byte last-use load (evict-first) of base + OFFSET bytes, OFFSET an immediate.
-template <int OFFSET>
-__device__ __forceinline__ uint4 load_last_use(const void* base) {
-  uint4 v;
-  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(base), "n"(OFFSET));
-  return v;
 }
 
 // store_streaming to base + OFFSET bytes, OFFSET an immediate.
@@ -150,7 +130,8 @@ __device__ __forceinline__ void store_streaming_at(void* base, uint4 v) {
 __device__ __forceinline__ void store_streaming(uint4* p, uint4 v) { __stcs(p, v); }
 
 // Per-thread asynchronous 16-byte copy global -> shared (sm_80+), cached in L2
-// only; completes for the issuing thread at cp_async_wait_all().
+// only; completes for the issuing thread at cp_async_wait_all() or at a
+// cp_async_wait_group() that its commit group passes.
 // Copies global_base + OFFSET bytes to shared-memory address shared_base + OFFSET
 // bytes. OFFSET is an immediate in both addresses, so a loop over offsets keeps two
 // base registers instead of a pair of addresses per copy (which spills).
@@ -161,6 +142,20 @@ __device__ __forceinline__ void cp_async_16(unsigned shared_base, const void* gl
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Waits until at most N of this thread's most recently committed cp.async groups
+// are pending (the groups before them complete).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// cp_async_16 with an L2 eviction policy (e.g. l2_evict_last_policy()).
+template <int OFFSET>
+__device__ __forceinline__ void cp_async_16_hint(unsigned shared_base, const void* global_base, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0+%3], [%1+%3], 16, %2;" ::"r"(shared_base),
+               "l"(global_base), "l"(policy), "n"(OFFSET)
+               : "memory");
+}
 
 // cp.async-copies this thread's 16-byte vectors i < valid (column[i * THREADS])
 // into its shared-memory column (staged_column + i * THREADS * 16 bytes), then
@@ -171,6 +166,20 @@ __device__ __forceinline__ void stage_column(unsigned staged_column, const uint4
   ((I < valid ? cp_async_16<I * THREADS * 16>(staged_column, column) : void()), ...);
   cp_async_commit();
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Bulk copy (sm_90+, the TMA engine) of `bytes` (a multiple of 16; both addresses
+// 16-byte aligned) from global memory to this CTA's shared memory at shared
+// address `destination`, completing as transaction bytes on the mbarrier at shared
+// address `barrier` (after mbarrier_arrive_expect_tx of the same bytes).
+__device__ __forceinline__ void bulk_copy_to_shared(unsigned destination, const void* source, unsigned bytes,
+                                                    unsigned barrier) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   destination),
+               "l"(source), "r"(bytes), "r"(barrier)
+               : "memory");
+}
+#endif
 
 // `address` made to depend on every vector of `raw`, so that a cp.async to it
 // issues only after the shared-memory loads into `raw` have returned their data
@@ -572,6 +581,13 @@ int cached_occupancy(const void* kernel, int tag, Query query) {
   cudaGetLastError();
   cache.emplace(key, value);
   return value;
+}
+
+// Whether the current device is sm_90 or newer (clusters, bulk copies).
+inline bool device_is_sm90_or_newer() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
 }
 
 // How many clusters of `cluster_size` CTAs of `kernel` (threads, dynamic shared

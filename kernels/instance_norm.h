@@ -115,12 +115,13 @@ enum class BackwardPath : int {
   kAuto = 0,
   // Any layout, size, alignment and GPU.
   kGeneric = 1,
-  // Cluster-resident (sm_90+): x of a slice held on chip, dy read twice (the
-  // second time from L2), so HBM reads x and dy once. Chosen for clusters of <= 8.
+  // Cluster-resident (sm_90+): x of a slice held on chip, dy streamed twice through
+  // a ring in shared memory (the second time from L2), so HBM reads x and dy once.
+  // Chosen for clusters of <= 8.
   kCluster = 2,
   // As kCluster, with a team of CTAs of a cooperative launch instead of a cluster
-  // (sm_80+, no cluster-size limit); needs backward_workspace_bytes() of workspace.
-  // Chosen for slices larger than a cluster of 8 holds.
+  // (sm_90+: bulk copies; no cluster-size limit); needs backward_workspace_bytes()
+  // of workspace. Chosen for slices larger than a cluster of 8 holds.
   kCooperative = 3,
 };
 constexpr int kNumBackwardPaths = 4;

@@ -416,26 +416,6 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   });
 }
 
-// dy_raw[j] = this thread's dy vector b + j (column[(b + j) * THREADS]) for b + j <
-// valid (b a compile-time value after unrolling). With KEEP the loads ask L2 to
-// keep the lines (the first read); without, they are last-use (the second read).
-template <int THREADS, bool KEEP, int N, int... J>
-__device__ __forceinline__ void load_batch(const uint4* column, int b, int valid, uint4 (&dy_raw)[N],
-                                           std::integer_sequence<int, J...>) {
-  const uint4* base = column + b * THREADS;
-  if constexpr (KEEP) {
-    // The policy is made per batch, beside its loads: the volatile createpolicy
-    // keeps each batch's loads issued back to back. Made once before the slice
-    // loop, ptxas spread the loads among the previous batch's arithmetic (SASS,
-    // cuobjdump), fewer were in flight, and the fp32 (112, 64, 512, 512) backward
-    // took 8.04 ms instead of 6.91 (bf16 3.80 instead of 3.49; docs/perf-notes.md #37).
-    const uint64_t policy = l2_evict_last_policy();
-    ((b + J < valid ? void(dy_raw[J] = load_keep_in_l2<J * THREADS * 16>(base, policy)) : void()), ...);
-  } else {
-    ((b + J < valid ? void(dy_raw[J] = load_last_use<J * THREADS * 16>(base)) : void()), ...);
-  }
-}
-
 // Streaming stores of dx_raw[j] to column[j * THREADS] for b + j < valid.
 template <int THREADS, int N, int... J>
 __device__ __forceinline__ void store_batch(uint4* column, int b, int valid, const uint4 (&dx_raw)[N],
@@ -443,8 +423,31 @@ __device__ __forceinline__ void store_batch(uint4* column, int b, int valid, con
   ((b + J < valid ? store_streaming_at<J * THREADS * 16>(column, dx_raw[J]) : void()), ...);
 }
 
-// ---- resident paths, persistent, x and dy read from HBM once: kCluster (a thread-block
-// cluster per slice, sm_90+) and kCooperative (a team of CTAs of a cooperative
+// cp.async-copies this thread's dy vectors j < count (column[j * THREADS]) into its
+// column of a ring slot (slot_column + j * THREADS * 16 bytes), with an L2 evict_last
+// policy when KEEP (the first read, which the second should find in L2), then commits
+// (an empty group when count <= 0, so every thread commits the same groups).
+template <int THREADS, bool KEEP, int... J>
+__device__ __forceinline__ void fill_ring_slot(unsigned slot_column, const uint4* column, int count,
+                                               std::integer_sequence<int, J...>) {
+  if constexpr (KEEP) {
+    const uint64_t policy = l2_evict_last_policy();
+    ((J < count ? cp_async_16_hint<J * THREADS * 16>(slot_column, column, policy) : void()), ...);
+  } else {
+    ((J < count ? cp_async_16<J * THREADS * 16>(slot_column, column) : void()), ...);
+  }
+  cp_async_commit();
+}
+
+// The dy ring of the resident paths: kDyRingSlots slots of kDyBatch vectors per
+// thread (96 KB for 512 threads), so 12 of a thread's dy vectors are in flight.
+// (112, 64, 512, 512) fp32 backward: 3 x 4 5.77 ms, 6 x 2 6.02, 2 x 4 5.91,
+// 12 x 1 6.92, register batches of 4 (no ring) 6.91 (docs/perf-notes.md #41).
+constexpr int kDyBatch = 4;
+constexpr int kDyRingSlots = 3;
+
+// ---- resident paths (sm_90+), persistent, x and dy read from HBM once: kCluster (a
+// thread-block cluster per slice) and kCooperative (a team of CTAs of a cooperative
 // launch; common.cuh, teams) ----
 
 // The grid holds as many teams of ceil(spatial / (THREADS * VALUES_PER_THREAD))
@@ -452,30 +455,49 @@ __device__ __forceinline__ void store_batch(uint4* column, int b, int valid, con
 // (one team per slice is limited by the launch rate: docs/perf-notes.md).
 // For each slice, CTA rank r owns the values [r, r + 1) * THREADS * VALUES_PER_THREAD;
 // thread t owns its 16-byte vectors first + i * THREADS of x and of dy.
-// Per slice: wait for this thread's staged x, move it to registers, at once stage
-// the next slice's x into the same shared memory with cp.async (its HBM read
-// overlaps everything below), read dy in batches (asking L2 to keep it) and sum dy
-// and dy * (x - mean), reduce the two sums over the team (one team barrier: every
-// CTA gets the same bits), then read dy again (from L2 if it kept it), compute dx
+//
+// x: thread 0 stages the CTA's part of a slice (contiguous) into shared memory
+// with one bulk copy that completes on an mbarrier. Per slice every thread waits
+// for it, moves its column to registers, and after a CTA barrier thread 0 stages
+// the next slice's x into the same shared memory, so that read overlaps the rest.
+// dy: each thread streams its column through a ring of kDyRingSlots slots of
+// kDyBatch vectors in shared memory, with its own cp.async groups, and refills a
+// slot as soon as it has read it, the next slice's first fills included: 12 vectors
+// stay in flight per thread across the team exchange, without registers.
+// Per slice: sum dy and dy * (x - mean) over the first read of dy (asking L2 to
+// keep it), reduce the two sums over the team (one team barrier: every CTA gets the
+// same bits), then compute dx from the second read of dy (from L2 when it kept it)
 // and write it with streaming stores. HBM: x and dy read once when L2 keeps the
-// team's dy (1 MB per fp32 512 x 512 slice) between the two reads, dx written once;
-// ncu on fp32 (16, 64, 512, 512): 2.16 GB read from DRAM for 2.15 GB of x and dy.
-// Registers hold the raw 16-byte vectors (unpacked to float when used), so a
+// team's dy (1 MB per fp32 512 x 512 slice) between the reads, dx written once
+// (ncu on fp32 (16, 64, 512, 512), register batches: 2.16 GB read from DRAM for
+// 2.15 GB of x and dy). The x staging is not a per-thread cp.async group because a
+// wait for a later dy group would also wait for it (groups complete in order),
+// holding the first dy read until the next slice's x has arrived (#40: 7.24 ms).
+// Registers hold the raw 16-byte vectors of x (unpacked to float when used), so a
 // 16-bit variant holds twice the values of a float32 one in the same registers.
-// Needs THREADS * VALUES_PER_THREAD * sizeof(T) bytes of dynamic shared memory,
-// spatial % Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and a team
-// size the device can run (as the forward's; the launcher checks).
+// Needs resident_variant's shared bytes of dynamic shared memory, spatial %
+// Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and a team size the
+// device can run (the launcher checks).
 template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
 __device__ __forceinline__ void backward_resident(const BackwardProblem& p, const Team& team) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
   static_assert(VALUES_PER_THREAD % kPer == 0, "values are held as whole 16-byte vectors");
   constexpr int kVecs = VALUES_PER_THREAD / kPer;
   constexpr int kCtaVecs = THREADS * kVecs;
-  constexpr int kBatch = 4;  // dy vectors per thread loaded together
+  constexpr int kBatch = kDyBatch;
   static_assert(kVecs % kBatch == 0, "dy is read in whole batches");
+  constexpr int kFillsPerRead = kVecs / kBatch;
+  constexpr int kFillsPerSlice = 2 * kFillsPerRead;  // dy is read twice
+  constexpr int kSlots = kDyRingSlots;
+  static_assert(kSlots <= kFillsPerRead, "the ring is no deeper than one read of dy");
+  constexpr int kSlotBytes = kBatch * THREADS * 16;
   __shared__ TeamStorage<float2, THREADS> storage;
-  extern __shared__ uint4 staged[];  // x, [kVecs][THREADS]: each thread owns its column
+  __shared__ uint64_t x_full;  // mbarrier: the staged x has arrived
+  // x, [kVecs][THREADS], then the dy ring, [kSlots][kBatch][THREADS]: each thread
+  // owns its column of both.
+  extern __shared__ uint4 staged[];
 
   const T* x = static_cast<const T*>(p.x);
   const T* dy = static_cast<const T*>(p.dy);
@@ -485,43 +507,94 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
   const int64_t num_teams = team.count();
   const bool writes_sums = team.rank() == 0 && threadIdx.x == 0;
   const float inv_spatial = 1.f / static_cast<float>(spatial);
+  const unsigned zero = static_cast<unsigned>(spatial) >> 31;  // spatial < 2^31: 0, unknown to the compiler
 
   // This thread's vectors of a slice are first + i * THREADS for i < valid.
   const int num_vecs = spatial / kPer;
-  const int first = team.rank() * kCtaVecs + threadIdx.x;
+  const int cta_first = team.rank() * kCtaVecs;
+  const int first = cta_first + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
-  const unsigned staged_x = static_cast<unsigned>(__cvta_generic_to_shared(staged + threadIdx.x));
-  const auto stage = [&](unsigned column_x, int64_t slice) {
-    stage_column<THREADS>(column_x, reinterpret_cast<const uint4*>(x + slice * spatial) + first, valid,
-                          std::make_integer_sequence<int, kVecs>());
+
+  // Thread 0: the CTA's x of `slice` into staged[0, kCtaVecs).
+  const unsigned x_bytes = 16u * static_cast<unsigned>(min(kCtaVecs, max(0, num_vecs - cta_first)));
+  const auto stage_x = [&](int64_t slice) {
+    cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                                         &x_full, x_bytes);
+    bulk_copy_to_shared(static_cast<unsigned>(__cvta_generic_to_shared(staged)),
+                        reinterpret_cast<const uint4*>(x + slice * spatial) + cta_first, x_bytes,
+                        static_cast<unsigned>(__cvta_generic_to_shared(&x_full)));
   };
-  const unsigned zero = static_cast<unsigned>(spatial) >> 31;  // spatial < 2^31: 0, unknown to the compiler
+
+  // The dy ring. Fills are numbered n = 0, 1, ... over this team's slices (fill g of
+  // a slice: read g / kFillsPerRead of dy, batch g % kFillsPerRead); fill n is one
+  // cp.async group into slot n % kSlots, issued as soon as fill n - kSlots has been
+  // read from that slot, so before fill n is read the groups after it are its
+  // kSlots - 1 successors.
+  const unsigned ring_column =
+      static_cast<unsigned>(__cvta_generic_to_shared(staged + kCtaVecs + threadIdx.x));
+  int slot = 0;  // of the next fill to read
+  const auto fill = [&](int g, int64_t fill_slice, unsigned slot_column) {
+    const int batch = g % kFillsPerRead;
+    const uint4* column = reinterpret_cast<const uint4*>(dy + fill_slice * spatial) + first + batch * kBatch * THREADS;
+    const int count = fill_slice < num_slices ? valid - batch * kBatch : 0;
+    if (g < kFillsPerRead) {
+      fill_ring_slot<THREADS, true>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
+    } else {
+      fill_ring_slot<THREADS, false>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
+    }
+  };
+  // Fill g of `slice` (this thread's vectors b + j) into dy_raw, zero past valid;
+  // then the slot gets fill g + kSlots (the next slice's when past this one).
+  const auto read_fill = [&](int g, int b, int64_t slice, int64_t next, uint4(&dy_raw)[kBatch]) {
+    cp_async_wait_group<kSlots - 1>();
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      dy_raw[j] = b + j < valid ? staged[kCtaVecs + (slot * kBatch + j) * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
+    }
+    const unsigned slot_column = after_reading(ring_column + static_cast<unsigned>(slot * kSlotBytes), dy_raw, zero);
+    if (g + kSlots < kFillsPerSlice) {
+      fill(g + kSlots, slice, slot_column);
+    } else {
+      fill(g + kSlots - kFillsPerSlice, min(next, num_slices), slot_column);
+    }
+    slot = slot + 1 == kSlots ? 0 : slot + 1;
+  };
 
   int64_t slice = team.index();
-  if (slice < num_slices) stage(staged_x, slice);
+  if (threadIdx.x == 0) {
+    cuda::ptx::mbarrier_init(&x_full, 1);
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+  if (slice < num_slices) {
+    if (threadIdx.x == 0) stage_x(slice);
+#pragma unroll
+    for (int g = 0; g < kSlots; ++g) fill(g, slice, ring_column + static_cast<unsigned>(g * kSlotBytes));
+  }
   for (int round = 0; slice < num_slices; slice += num_teams, ++round) {
     const int64_t next = slice + num_teams;
     // Issued before the wait so their latency overlaps it.
     const float mean = __ldg(p.mean + slice);
     const float rstd = __ldg(p.rstd + slice);
     const float weight = channel_weight(p, slice % p.num_channels);
-    const uint4* slice_dy = reinterpret_cast<const uint4*>(dy + slice * spatial) + first;
 
     uint4 x_raw[kVecs];
-    cp_async_wait_all();
+    while (!cuda::ptx::mbarrier_try_wait_parity(&x_full, static_cast<unsigned>(round) & 1u)) {
+    }
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) x_raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
-    // The next slice's x read starts as soon as this thread's column is in
-    // registers, and overlaps everything below.
-    const bool stages_late = Team::stages_after_allreduce();
-    if (next < num_slices && !stages_late) stage(after_reading(staged_x, x_raw, zero), next);
+    __syncthreads();  // every column read before the bulk copy overwrites them
+    if (threadIdx.x == 0 && next < num_slices) {
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);  // those reads before the async proxy's writes
+      stage_x(next);
+    }
 
     // dy, first read (HBM), in batches: L2 is asked to keep it for the second.
     float2 sums = make_float2(0.f, 0.f);
 #pragma unroll
     for (int b = 0; b < kVecs; b += kBatch) {
       uint4 dy_raw[kBatch];
-      load_batch<THREADS, true>(slice_dy, b, valid, dy_raw, std::make_integer_sequence<int, kBatch>());
+      read_fill(b / kBatch, b, slice, next, dy_raw);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         if (b + j < valid) {
@@ -536,7 +609,6 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     }
 
     const float2 total = team.template allreduce<SumFloat2>(sums, storage, round);
-    if (next < num_slices && stages_late) stage(staged_x, next);
     const float sum_dy_xhat = total.y * rstd;
     if (writes_sums) {
       p.sum_dy[slice] = total.x;
@@ -545,15 +617,12 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     const DxCoefficients coefficients =
         dx_coefficients(mean, rstd, weight, total.x, sum_dy_xhat, inv_spatial);
     uint4* slice_dx = reinterpret_cast<uint4*>(dx + slice * spatial) + first;
-    // dy, second and last read (from L2 when it kept it), evict-first.
+    // dy, second and last read (from L2 when it kept it).
 #pragma unroll
     for (int b = 0; b < kVecs; b += kBatch) {
       uint4 dy_raw[kBatch];
-      load_batch<THREADS, false>(slice_dy, b, valid, dy_raw, std::make_integer_sequence<int, kBatch>());
+      read_fill(kFillsPerRead + b / kBatch, b, slice, next, dy_raw);
       uint4 dx_raw[kBatch];
-      // Vectors j with b + j >= valid are computed from unloaded dy_raw and never
-      // stored. A guard here would change the scheduling this loop was timed with
-      // (#37: a scheduling change moved the fp32 seed by 14%); not yet measured.
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         float xv[kPer], dyv[kPer], out[kPer];
@@ -568,31 +637,34 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     }
   }
   team.finish();
+#endif
 }
 
+// Built for sm_80 the body is empty; the launcher runs these kernels on sm_90+ only.
 template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
 __global__ void __launch_bounds__(THREADS, 1) backward_resident_kernel(const BackwardProblem p) {
   with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
                   [&](const auto& team) { backward_resident<T, THREADS, VALUES_PER_THREAD>(p, team); });
 }
 
-// Each CTA holds cta_capacity values of x; shared_bytes: the staged next slice's x.
+// Each CTA holds cta_capacity values of x; shared_bytes: the staged next slice's x
+// and the dy ring.
 template <typename T, int THREADS, int VALUES>
 constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
-          THREADS * VALUES * static_cast<int>(sizeof(T)),
+          THREADS * VALUES * static_cast<int>(sizeof(T)) + kDyRingSlots * kDyBatch * THREADS * 16,
           static_cast<int>(sizeof(float2)),
           backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
           backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>};
 }
 
 // One CTA per SM (512 threads): 64 registers of x per thread (128 KB of registers
-// per CTA) plus 128 KB of the staged next slice's x; dy is read twice in batches of
-// 4 vectors, the second time from L2. float32 512 x 64: a 512 x 512 slice takes a
-// cluster of 8; the 16-bit variants hold 128 values of x in the same registers, so a
-// 512 x 512 slice takes a cluster of 4.
+// per CTA), 128 KB of the staged next slice's x and the 96 KB dy ring in shared
+// memory. float32 512 x 64: a 512 x 512 slice takes a cluster of 8; the 16-bit
+// variants hold 128 values of x in the same registers, so a 512 x 512 slice takes a
+// cluster of 4.
 constexpr ResidentVariant<BackwardProblem> kResidentVariants[] = {
     resident_variant<float, 512, 64>(DType::kFloat32),
     resident_variant<__half, 512, 128>(DType::kFloat16),
@@ -721,7 +793,7 @@ cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
 
 bool resident_supported(TeamKind team, const BackwardProblem& p) {
   const ResidentVariant<BackwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
-  return !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
+  return device_is_sm90_or_newer() && !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
          aligned16(p.dx) &&
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }

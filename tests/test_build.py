@@ -33,14 +33,10 @@ def nvcc():
     return os.path.join(cuda_home, "bin", "nvcc")
 
 
-# The one exception, bounded: ptxas spills 28-40 bytes in the cooperative backward
-# kernels (TeamKind 1; sm_90a and sm_80, nvcc 13.0), whose cluster twins hold the
-# same 64 registers of x without spilling. Most of it comes from warp 0's second,
-# late copy of the 16 cp.async stagings (with stages_after_allreduce() false: 0-36 B).
-# With the spills they are the fastest backward where no 8-CTA cluster fits:
-# (1, 32, 128, 128, 128) fp32 0.297 ms against the generic path's 0.337
-# (docs/perf-notes.md #37).
-SPILL_ALLOWANCE = {r"backward_resident_kernel.*TeamKindE1E": 48}
+# The one exception, bounded: ptxas spills 4 bytes in the float16 cooperative
+# backward kernel (TeamKind 1, sm_90a, nvcc 13.0), whose bfloat16 and float32
+# twins hold the same 64 registers of x without spilling.
+SPILL_ALLOWANCE = {r"backward_resident_kernelI6__half.*TeamKindE1E": 8}
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm_90a", "sm_80"])
@@ -48,7 +44,8 @@ SPILL_ALLOWANCE = {r"backward_resident_kernel.*TeamKindE1E": 48}
 def test_kernels_do_not_spill(solution, source, capability, tmp_path):
     """ptxas reports no spills and no stack frame for every kernel but the bounded
     SPILL_ALLOWANCE; the sources also build for sm_80 (A100), where the cluster
-    kernels compile to empty bodies and the other paths run."""
+    kernels and the backward's resident kernels compile to empty bodies and the
+    other paths run."""
     assert source in solution._CUDA_FILES
     result = subprocess.run(
         [nvcc(), "-c", "-O3", "-std=c++17", solution._gencode(capability), "-Xptxas", "-v",
