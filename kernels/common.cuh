@@ -348,8 +348,9 @@ using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 // read this round's totals.
 //   ClusterTeam (sm_90+): a thread-block cluster; totals in each CTA's shared
 //     memory, read through DSMEM after a cluster barrier by every warp.
-//   CooperativeTeam (sm_80+ with room for the kernel's shared memory, about 128
-//     KB per CTA): `size` consecutive CTAs of a cooperative launch (all
+//   CooperativeTeam (sm_80+ with room for the kernel's shared memory: about 128
+//     KB per CTA in the forward; the backward's kernels need sm_90 and 224 KB):
+//     `size` consecutive CTAs of a cooperative launch (all
 //     CTAs co-resident, so a team never waits for a CTA that cannot start); totals
 //     in global memory, the barrier an arrival counter per team (release / acquire
 //     at device scope); warp 0 combines and shares the result through shared memory.

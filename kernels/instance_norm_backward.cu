@@ -533,9 +533,12 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
   const unsigned ring_column =
       static_cast<unsigned>(__cvta_generic_to_shared(staged + kCtaVecs + threadIdx.x));
   int slot = 0;  // of the next fill to read
+  // fill_slice == num_slices (past the team's last slice): an empty group; its
+  // address, past dy, is never dereferenced.
   const auto fill = [&](int g, int64_t fill_slice, unsigned slot_column) {
     const int batch = g % kFillsPerRead;
-    const uint4* column = reinterpret_cast<const uint4*>(dy + fill_slice * spatial) + first + batch * kBatch * THREADS;
+    const uint4* column =
+        reinterpret_cast<const uint4*>(dy + fill_slice * spatial) + first + batch * kBatch * THREADS;
     const int count = fill_slice < num_slices ? valid - batch * kBatch : 0;
     if (g < kFillsPerRead) {
       fill_ring_slot<THREADS, true>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
@@ -549,7 +552,8 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     cp_async_wait_group<kSlots - 1>();
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      dy_raw[j] = b + j < valid ? staged[kCtaVecs + (slot * kBatch + j) * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
+      dy_raw[j] =
+          b + j < valid ? staged[kCtaVecs + (slot * kBatch + j) * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
     }
     const unsigned slot_column = after_reading(ring_column + static_cast<unsigned>(slot * kSlotBytes), dy_raw, zero);
     if (g + kSlots < kFillsPerSlice) {
@@ -679,10 +683,9 @@ constexpr int64_t kClusterMinSpatial = 4096;
 // Clusters of more than 8 CTAs are not chosen: when the resident kernels held dy
 // on chip too, fp32 (112, 64, 512, 512) needed 16 and took 9.03 ms against the
 // generic path's 8.75, as 16-CTA clusters did in the forward (docs/perf-notes.md).
-// Not re-measured since dy is read from L2; cooperative teams take those slices
-// (and only those: on sm_80, with no clusters, smaller slices stay generic):
-// (1, 32, 128, 128, 128) fp32 0.297 ms against the generic path's 0.337, bf16
-// 0.164 against 0.183 (docs/perf-notes.md #37).
+// Not re-measured since dy is read from L2; cooperative teams take those slices:
+// (1, 32, 128, 128, 128) fp32 0.258 ms against the generic path's 0.338
+// (docs/perf-notes.md #41).
 constexpr int64_t kClusterMaxChosenSize = 8;
 
 // ---- host: the choice of path and the launches ----
@@ -793,7 +796,8 @@ cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
 
 bool resident_supported(TeamKind team, const BackwardProblem& p) {
   const ResidentVariant<BackwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
-  return device_is_sm90_or_newer() && !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
+  return device_is_sm90_or_newer() && !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 &&
+         aligned16(p.x) && aligned16(p.dy) &&
          aligned16(p.dx) &&
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }

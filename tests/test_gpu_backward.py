@@ -30,8 +30,8 @@ def assert_close_scaled(actual, expected, tolerance, what):
 
 SHAPES = [(4, 8, 128, 128), (2, 3, 512, 512), (3, 5, 7, 7), (2, 3, 33, 31), (2, 2, 1024, 1024), (2, 16, 1000),
           (1, 4, 24, 24, 24), (3, 11, 300, 300), (70000 // 64 + 1, 64, 4, 4),
-          # More slices than resident teams (several rounds: the dy ring and x staging
-          # carry over from slice to slice), a partly filled last CTA.
+          # Several rounds per team with several dy vectors per thread (the dy ring and
+          # the x staging carry over from slice to slice), a partly filled last CTA.
           (6, 40, 200, 200)]
 
 

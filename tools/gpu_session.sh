@@ -29,7 +29,7 @@ if has sanitize; then
   for tool in ${SANITIZERS:-memcheck racecheck synccheck}; do
     # Only this project's kernels (namespace instance_norm): racecheck also reports
     # hazards inside PyTorch's own float64 mean reduction, which computes the references.
-    timeout 120 compute-sanitizer --tool $tool --kernel-name kns=instance_norm --error-exitcode 3 \
+    timeout 240 compute-sanitizer --tool $tool --kernel-name kns=instance_norm --error-exitcode 3 \
       python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log") clean summaries)"
     grep -E "WRONG|ERROR SUMMARY" "$OUT/sanitizer_$tool.log" | head -5
