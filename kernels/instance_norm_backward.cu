@@ -546,9 +546,11 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
       fill_ring_slot<THREADS, false>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
     }
   };
-  // Fill g of `slice` (this thread's vectors b + j) into dy_raw, zero past valid;
-  // then the slot gets fill g + kSlots (the next slice's when past this one).
-  const auto read_fill = [&](int g, int b, int64_t slice, int64_t next, uint4(&dy_raw)[kBatch]) {
+  // Fill g of `slice` (this thread's vectors b + j, b = batch * kBatch) into dy_raw,
+  // zero past valid; then the slot gets fill g + kSlots (the next slice's when past
+  // this one).
+  const auto read_fill = [&](int g, int64_t slice, int64_t next, uint4(&dy_raw)[kBatch]) {
+    const int b = g % kFillsPerRead * kBatch;
     cp_async_wait_group<kSlots - 1>();
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -598,7 +600,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
 #pragma unroll
     for (int b = 0; b < kVecs; b += kBatch) {
       uint4 dy_raw[kBatch];
-      read_fill(b / kBatch, b, slice, next, dy_raw);
+      read_fill(b / kBatch, slice, next, dy_raw);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         if (b + j < valid) {
@@ -625,7 +627,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
 #pragma unroll
     for (int b = 0; b < kVecs; b += kBatch) {
       uint4 dy_raw[kBatch];
-      read_fill(kFillsPerRead + b / kBatch, b, slice, next, dy_raw);
+      read_fill(kFillsPerRead + b / kBatch, slice, next, dy_raw);
       uint4 dx_raw[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
