@@ -38,6 +38,7 @@ struct Storage;
 template <>
 struct Storage<float> {
   static constexpr int kPerVector = 4;
+  static constexpr bool kHasPermuteUnpack = false;
   __device__ static float to_float(float v) { return v; }
   __device__ static float from_float(float v) { return v; }
   __device__ static void unpack(const uint4& raw, float* out) {
@@ -77,13 +78,20 @@ struct Storage16 {
 
 __device__ __forceinline__ float2 half2_to_float2(__half2 v) { return __half22float2(v); }
 __device__ __forceinline__ __half2 floats_to_half2(float a, float b) { return __floats2half2_rn(a, b); }
-__device__ __forceinline__ float2 bfloat162_to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+// A bfloat16 is the top half of a float32: one shift (low value) and one mask (high
+// value) per word, where __bfloat1622float2 takes a byte permute and two shifts.
+__device__ __forceinline__ float2 bfloat162_to_float2(__nv_bfloat162 v) {
+  unsigned word;
+  memcpy(&word, &v, sizeof(word));
+  return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
+}
 __device__ __forceinline__ __nv_bfloat162 floats_to_bfloat162(float a, float b) {
   return __floats2bfloat162_rn(a, b);
 }
 
 template <>
 struct Storage<__half> : Storage16<__half, __half2, half2_to_float2, floats_to_half2> {
+  static constexpr bool kHasPermuteUnpack = false;
   __device__ static float to_float(__half v) { return __half2float(v); }
   __device__ static __half from_float(float v) { return __low2half(__float2half2_rn(v)); }
 };
@@ -92,18 +100,37 @@ template <>
 struct Storage<__nv_bfloat16> : Storage16<__nv_bfloat16, __nv_bfloat162, bfloat162_to_float2, floats_to_bfloat162> {
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  // The same values as unpack, by byte permutes (two bf16 bytes moved above two zero
+  // bytes) instead of a shift and a mask: ptxas does not merge a pass that unpacks
+  // this way with one that unpacks the other way.
+  static constexpr bool kHasPermuteUnpack = true;
+  __device__ static void unpack_by_permute(const uint4& raw, float* out) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out[2 * k] = __uint_as_float(__byte_perm(words[k], 0u, 0x1044));
+      out[2 * k + 1] = __uint_as_float(__byte_perm(words[k], 0u, 0x3244));
+    }
+  }
 };
 
 // Calls f(i, v) for each raw 16-byte vector raw[i], i < valid, with v its values
 // as float. The resident kernels keep the raw vectors in registers (4 registers
 // per vector whatever the dtype) and unpack them at each use through this.
-template <typename T, int N, typename F>
-__device__ __forceinline__ void for_each_unpacked(const uint4 (&raw)[N], int valid, F f) {
+// `valid` is an int, or cuda::std::integral_constant<int, N> where every vector is
+// valid (then no test or branch per vector is compiled). BY_PERMUTE unpacks through
+// Storage<T>::unpack_by_permute (bfloat16 only).
+template <typename T, bool BY_PERMUTE = false, int N, typename Count, typename F>
+__device__ __forceinline__ void for_each_unpacked(const uint4 (&raw)[N], Count valid, F f) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     if (i < valid) {
       float v[Storage<T>::kPerVector];
-      Storage<T>::unpack(raw[i], v);
+      if constexpr (BY_PERMUTE) {
+        Storage<T>::unpack_by_permute(raw[i], v);
+      } else {
+        Storage<T>::unpack(raw[i], v);
+      }
       f(i, v);
     }
   }
@@ -228,6 +255,9 @@ struct SliceShift {
   }
   // d of a value x of the slice.
   __device__ float apply(float x) const { return __fmaf_rn(x, scale, offset); }
+  // The same with `center` (in d's units) subtracted: fma(x, k, offset - center),
+  // one FMA whose offset is rounded once.
+  __device__ SliceShift centered(float center) const { return {scale, offset - center}; }
   // rstd of d from its M2 over `count` values: 1 / sqrt(var_d + eps * k^2), so that
   // (d - mean_d) * rstd_d = (x - mean) / sqrt(var + eps).
   __device__ float rstd_of_d(float m2, float count, float eps) const {

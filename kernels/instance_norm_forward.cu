@@ -7,6 +7,7 @@
 #include "split.h"
 
 #include <algorithm>
+#include <cuda/std/type_traits>
 #include <utility>
 
 namespace instance_norm {
@@ -157,7 +158,6 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const int64_t next = slice + num_teams;
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const SliceShift shift = SliceShift::of(first_value);
-    const float2 affine = slice_affine(p, slice);
 
     // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
     // dtype, so a 16-bit CTA holds twice the values of a float32 one) and are
@@ -170,35 +170,80 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     // registers, and overlaps everything below.
     const bool stages_late = Team::stages_after_allreduce();
     if (next < num_slices && !stages_late) stage(after_reading(staged_column, raw, zero), next);
-    float sum = 0.f;
-    for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
+    // Three passes over the registers: the sum of d, M2 about the thread's mean, and
+    // y = d * scale + (bias - mean * scale) (d = x - shift is near the slice's
+    // values, so folding the mean into the bias rounds only a value of the order of
+    // (mean - shift) / std). float32 registers hold d from the first pass on (the
+    // same 32 bits); 16-bit ones hold x, and each pass computes d anew, the second
+    // as one FMA with the thread's mean folded into the shift (rounding the center
+    // by at most half a float32 ulp of it: M2 changes by count * that^2, far below
+    // 16-bit resolution).
+    // Every vector of a column is valid except in the last CTA of a team whose slice
+    // does not fill it. A pass compiled for full columns has no test or branch per
+    // vector, but ptxas then merges its unpacking with a later pass's, keeping 128
+    // unpacked floats live (200-500 B of spills); so full-column passes are: every
+    // pass in float32 (nothing is unpacked again), the sum pass in bfloat16 (its
+    // byte-permute unpack differs from the others'), and the output pass.
+    constexpr bool kHoldsD = sizeof(T) == sizeof(float);
+    constexpr bool kFullSumPass = kHoldsD || S::kHasPermuteUnpack;
+    const cuda::std::integral_constant<int, kVecs> all_valid;
+    const auto thread_stats = [&](auto count) {
+      float sum = 0.f;
+      for_each_unpacked<T, S::kHasPermuteUnpack>(raw, count, [&](int i, const float(&v)[kPer]) {
+        float d[kPer];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) sum += shift.apply(v[k]);
-    });
-
-    SliceStats stats{static_cast<float>(kPer * valid), 0.f, 0.f};
-    if (valid > 0) {
-      stats.mean = sum / stats.count;
-      for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) {
-          const float deviation = shift.apply(v[k]) - stats.mean;
-          stats.m2 += deviation * deviation;
-        }
+        for (int k = 0; k < kPer; ++k) sum += d[k] = shift.apply(v[k]);
+        if constexpr (kHoldsD) raw[i] = S::pack(d);
       });
+      SliceStats stats{static_cast<float>(kPer * count), 0.f, 0.f};
+      if (count > 0) {
+        stats.mean = sum / stats.count;
+        const SliceShift centered = kHoldsD ? SliceShift{1.f, -stats.mean} : shift.centered(stats.mean);
+        // A 16-bit M2 pass keeps its guards (see above).
+        const auto m2_count = [&] {
+          if constexpr (kHoldsD) {
+            return count;
+          } else {
+            return valid;
+          }
+        }();
+        for_each_unpacked<T>(raw, m2_count, [&](int, const float(&v)[kPer]) {
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) {
+            const float deviation = centered.apply(v[k]);
+            stats.m2 += deviation * deviation;
+          }
+        });
+      }
+      return stats;
+    };
+    SliceStats stats;
+    if constexpr (kFullSumPass) {
+      stats = valid == kVecs ? thread_stats(all_valid) : thread_stats(valid);
+    } else {
+      stats = thread_stats(valid);
     }
     stats = team.template allreduce<CombineStats>(stats, storage, round);
     if (next < num_slices && stages_late) stage(staged_column, next);
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
+    const float2 affine = slice_affine(p, slice);  // here, not held through the passes
     const float scale = rstd * affine.x;
+    const float offset = affine.y - mean * scale;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
-    for_each_unpacked<T>(raw, valid, [&](int i, const float(&v)[kPer]) {
-      float out[kPer];
+    const auto normalize = [&](auto count) {
+      for_each_unpacked<T>(raw, count, [&](int i, const float(&v)[kPer]) {
+        float out[kPer];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) out[k] = (shift.apply(v[k]) - mean) * scale + affine.y;
-      store_streaming(slice_y + first + i * THREADS, S::pack(out));
-    });
+        for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(kHoldsD ? v[k] : shift.apply(v[k]), scale, offset);
+        store_streaming(slice_y + first + i * THREADS, S::pack(out));
+      });
+    };
+    if (valid == kVecs) {
+      normalize(all_valid);
+    } else {
+      normalize(valid);
+    }
     // After the stores, where the values' registers are free (saving earlier spills).
     if (threadIdx.x == 0 && team.rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     first_value = next_first_value;

@@ -33,10 +33,11 @@ def nvcc():
     return os.path.join(cuda_home, "bin", "nvcc")
 
 
-# The one exception, bounded: ptxas spills 4 bytes in the float16 cooperative
-# backward kernel (TeamKind 1, sm_90a, nvcc 13.0), whose bfloat16 and float32
-# twins hold the same 64 registers of x without spilling.
-SPILL_ALLOWANCE = {r"backward_resident_kernelI6__half.*TeamKindE1E": 8}
+# The exceptions, bounded: ptxas (sm_90a, nvcc 13.0) spills 4-8 bytes (an 8-byte
+# stack frame) in the 16-bit cooperative resident kernels (TeamKind 1), forward and
+# backward; their float32 twins and every cluster kernel do not spill. Measured
+# with these spills: docs/perf-notes.md #43-#44.
+SPILL_ALLOWANCE = {r"(forward|backward)_resident_kernelI(6__half|13__nv_bfloat16).*TeamKindE1E": 8}
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm_90a", "sm_80"])
