@@ -7,6 +7,7 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cuda/atomic>
+#include <cuda/std/type_traits>
 #include <cuda/ptx>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -38,7 +39,7 @@ struct Storage;
 template <>
 struct Storage<float> {
   static constexpr int kPerVector = 4;
-  static constexpr bool kHasPermuteUnpack = false;
+  static constexpr bool kHasPermuteUnpack = false;  // float32 is not unpacked
   __device__ static float to_float(float v) { return v; }
   __device__ static float from_float(float v) { return v; }
   __device__ static void unpack(const uint4& raw, float* out) {
@@ -51,17 +52,28 @@ struct Storage<float> {
   }
 };
 
-// 16-bit types: the vector is four words of two values each.
-template <typename T, typename T2, float2 (*kToFloat2)(T2), T2 (*kFromFloats)(float, float)>
+// 16-bit types: the vector is four words of two values each. A type may give a
+// second unpacking of the same values by other instructions (kToFloat2ByPermute):
+// the compiler does not merge a loop that unpacks one way with a later one that
+// unpacks the other way, where it would otherwise keep the unpacked floats live
+// from the first loop to the second.
+template <typename T, typename T2, float2 (*kToFloat2)(T2), T2 (*kFromFloats)(float, float),
+          float2 (*kToFloat2ByPermute)(T2) = nullptr>
 struct Storage16 {
   static constexpr int kPerVector = 8;
-  __device__ static void unpack(const uint4& raw, float* out) {
+  static constexpr bool kHasPermuteUnpack = kToFloat2ByPermute != nullptr;
+  __device__ static void unpack(const uint4& raw, float* out) { unpack_with<kToFloat2>(raw, out); }
+  __device__ static void unpack_by_permute(const uint4& raw, float* out) {
+    unpack_with<kToFloat2ByPermute>(raw, out);
+  }
+  template <float2 (*kConvert)(T2)>
+  __device__ static void unpack_with(const uint4& raw, float* out) {
     const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       T2 pair;
       memcpy(&pair, &words[k], sizeof(pair));
-      const float2 f = kToFloat2(pair);
+      const float2 f = kConvert(pair);
       out[2 * k] = f.x, out[2 * k + 1] = f.y;
     }
   }
@@ -85,41 +97,36 @@ __device__ __forceinline__ float2 bfloat162_to_float2(__nv_bfloat162 v) {
   memcpy(&word, &v, sizeof(word));
   return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
 }
+// The same values by two byte permutes (a value's two bytes above two zero bytes).
+__device__ __forceinline__ float2 bfloat162_to_float2_by_permute(__nv_bfloat162 v) {
+  unsigned word;
+  memcpy(&word, &v, sizeof(word));
+  return make_float2(__uint_as_float(__byte_perm(word, 0u, 0x1044)), __uint_as_float(__byte_perm(word, 0u, 0x3244)));
+}
 __device__ __forceinline__ __nv_bfloat162 floats_to_bfloat162(float a, float b) {
   return __floats2bfloat162_rn(a, b);
 }
 
 template <>
 struct Storage<__half> : Storage16<__half, __half2, half2_to_float2, floats_to_half2> {
-  static constexpr bool kHasPermuteUnpack = false;
   __device__ static float to_float(__half v) { return __half2float(v); }
   __device__ static __half from_float(float v) { return __low2half(__float2half2_rn(v)); }
 };
 
 template <>
-struct Storage<__nv_bfloat16> : Storage16<__nv_bfloat16, __nv_bfloat162, bfloat162_to_float2, floats_to_bfloat162> {
+struct Storage<__nv_bfloat16> : Storage16<__nv_bfloat16, __nv_bfloat162, bfloat162_to_float2, floats_to_bfloat162,
+                                          bfloat162_to_float2_by_permute> {
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  // The same values as unpack, by byte permutes (two bf16 bytes moved above two zero
-  // bytes) instead of a shift and a mask: ptxas does not merge a pass that unpacks
-  // this way with one that unpacks the other way.
-  static constexpr bool kHasPermuteUnpack = true;
-  __device__ static void unpack_by_permute(const uint4& raw, float* out) {
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      out[2 * k] = __uint_as_float(__byte_perm(words[k], 0u, 0x1044));
-      out[2 * k + 1] = __uint_as_float(__byte_perm(words[k], 0u, 0x3244));
-    }
-  }
 };
 
 // Calls f(i, v) for each raw 16-byte vector raw[i], i < valid, with v its values
 // as float. The resident kernels keep the raw vectors in registers (4 registers
-// per vector whatever the dtype) and unpack them at each use through this.
+// per vector whatever the dtype) and unpack them at each use through this; f may
+// rewrite raw[i] (through its own reference to the array) once v is unpacked.
 // `valid` is an int, or cuda::std::integral_constant<int, N> where every vector is
-// valid (then no test or branch per vector is compiled). BY_PERMUTE unpacks through
-// Storage<T>::unpack_by_permute (bfloat16 only).
+// valid (then no test or branch per vector is compiled; with_valid_count picks).
+// BY_PERMUTE unpacks through Storage<T>::unpack_by_permute (where kHasPermuteUnpack).
 template <typename T, bool BY_PERMUTE = false, int N, typename Count, typename F>
 __device__ __forceinline__ void for_each_unpacked(const uint4 (&raw)[N], Count valid, F f) {
 #pragma unroll
@@ -134,6 +141,13 @@ __device__ __forceinline__ void for_each_unpacked(const uint4 (&raw)[N], Count v
       f(i, v);
     }
   }
+}
+
+// Calls f(cuda::std::integral_constant<int, N>()) when valid == N, else f(valid):
+// a loop over a thread's N vectors compiled both without and with a test per vector.
+template <int N, typename F>
+__device__ __forceinline__ auto with_valid_count(int valid, F f) {
+  return valid == N ? f(cuda::std::integral_constant<int, N>()) : f(valid);
 }
 
 // An L2 eviction policy that keeps lines (evict_last), for a first read whose
@@ -237,6 +251,14 @@ struct FastDivider {
   __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, multiplier) + n) >> shift; }
 };
 
+// x -> fma(x, scale, offset): the map a SliceShift becomes with a center folded into
+// its offset (SliceShift::centered).
+struct LinearMap {
+  float scale;
+  float offset;
+  __device__ float apply(float x) const { return __fmaf_rn(x, scale, offset); }
+};
+
 // Every path takes the statistics of d = (x - shift) * k, shift = the slice's first
 // value, k = a power of two: 1 unless |shift| >= 2^32, then 2^-exponent(shift), so
 // values near 1e30 (fp32 or bf16) become values near 1 whose squares cannot overflow
@@ -255,9 +277,9 @@ struct SliceShift {
   }
   // d of a value x of the slice.
   __device__ float apply(float x) const { return __fmaf_rn(x, scale, offset); }
-  // The same with `center` (in d's units) subtracted: fma(x, k, offset - center),
-  // one FMA whose offset is rounded once.
-  __device__ SliceShift centered(float center) const { return {scale, offset - center}; }
+  // x -> d - center (center in d's units) as one FMA: fma(x, k, offset - center),
+  // whose offset is rounded once, by at most half a float32 ulp of shift * k + center.
+  __device__ LinearMap centered(float center) const { return {scale, offset - center}; }
   // rstd of d from its M2 over `count` values: 1 / sqrt(var_d + eps * k^2), so that
   // (d - mean_d) * rstd_d = (x - mean) / sqrt(var + eps).
   __device__ float rstd_of_d(float m2, float count, float eps) const {

@@ -7,7 +7,6 @@
 #include "split.h"
 
 #include <algorithm>
-#include <cuda/std/type_traits>
 #include <utility>
 
 namespace instance_norm {
@@ -160,8 +159,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const SliceShift shift = SliceShift::of(first_value);
 
     // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
-    // dtype, so a 16-bit CTA holds twice the values of a float32 one) and are
-    // converted to float at each of the three uses.
+    // dtype, so a 16-bit CTA holds twice the values of a float32 one); 16-bit values
+    // are converted to float at each of the three uses.
     uint4 raw[kVecs];
     cp_async_wait_all();
 #pragma unroll
@@ -170,23 +169,23 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     // registers, and overlaps everything below.
     const bool stages_late = Team::stages_after_allreduce();
     if (next < num_slices && !stages_late) stage(after_reading(staged_column, raw, zero), next);
-    // Three passes over the registers: the sum of d, M2 about the thread's mean, and
-    // y = d * scale + (bias - mean * scale) (d = x - shift is near the slice's
-    // values, so folding the mean into the bias rounds only a value of the order of
-    // (mean - shift) / std). float32 registers hold d from the first pass on (the
-    // same 32 bits); 16-bit ones hold x, and each pass computes d anew, the second
-    // as one FMA with the thread's mean folded into the shift (rounding the center
-    // by at most half a float32 ulp of it: M2 changes by count * that^2, far below
-    // 16-bit resolution).
-    // Every vector of a column is valid except in the last CTA of a team whose slice
-    // does not fill it. A pass compiled for full columns has no test or branch per
-    // vector, but ptxas then merges its unpacking with a later pass's, keeping 128
-    // unpacked floats live (200-500 B of spills); so full-column passes are: every
-    // pass in float32 (nothing is unpacked again), the sum pass in bfloat16 (its
-    // byte-permute unpack differs from the others'), and the output pass.
+    // Three loops over the registers: the sum of d, M2 about the thread's mean, and
+    // y = d * scale + (bias - mean * scale), d = (x - shift) * k (SliceShift). The
+    // shift is a value of the slice, so mean_d * scale is of the order of
+    // (mean - x0) / std, and folding it into the bias rounds only that. float32
+    // registers hold d from the first loop on (the same 32 bits); 16-bit ones hold x,
+    // and each loop computes d anew, the M2 loop as one FMA with the thread's mean
+    // folded into the shift (rounding the offset by at most half a float32 ulp of
+    // the thread's mean of x * k: M2 changes by count * that^2, far below 16-bit
+    // resolution).
+    // Every vector of a column is valid but in the last CTA of a team whose slice
+    // does not fill it, so each loop is compiled both without and with a test per
+    // vector (with_valid_count). Without the tests the compiler merges the unpacking
+    // of one loop with a later loop's, keeping 128 unpacked floats live (200-500 B
+    // of spills): so the statistics loops go test-free only where that cannot
+    // happen: float32 (nothing is unpacked again) and bfloat16 (its sum loop
+    // unpacks by byte permutes, the others by shift and mask).
     constexpr bool kHoldsD = sizeof(T) == sizeof(float);
-    constexpr bool kFullSumPass = kHoldsD || S::kHasPermuteUnpack;
-    const cuda::std::integral_constant<int, kVecs> all_valid;
     const auto thread_stats = [&](auto count) {
       float sum = 0.f;
       for_each_unpacked<T, S::kHasPermuteUnpack>(raw, count, [&](int i, const float(&v)[kPer]) {
@@ -198,16 +197,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
       SliceStats stats{static_cast<float>(kPer * count), 0.f, 0.f};
       if (count > 0) {
         stats.mean = sum / stats.count;
-        const SliceShift centered = kHoldsD ? SliceShift{1.f, -stats.mean} : shift.centered(stats.mean);
-        // A 16-bit M2 pass keeps its guards (see above).
-        const auto m2_count = [&] {
-          if constexpr (kHoldsD) {
-            return count;
-          } else {
-            return valid;
-          }
-        }();
-        for_each_unpacked<T>(raw, m2_count, [&](int, const float(&v)[kPer]) {
+        const LinearMap centered = kHoldsD ? LinearMap{1.f, -stats.mean} : shift.centered(stats.mean);
+        for_each_unpacked<T>(raw, count, [&](int, const float(&v)[kPer]) {
 #pragma unroll
           for (int k = 0; k < kPer; ++k) {
             const float deviation = centered.apply(v[k]);
@@ -218,8 +209,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
       return stats;
     };
     SliceStats stats;
-    if constexpr (kFullSumPass) {
-      stats = valid == kVecs ? thread_stats(all_valid) : thread_stats(valid);
+    if constexpr (kHoldsD || S::kHasPermuteUnpack) {
+      stats = with_valid_count<kVecs>(valid, thread_stats);
     } else {
       stats = thread_stats(valid);
     }
@@ -231,19 +222,14 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
-    const auto normalize = [&](auto count) {
+    with_valid_count<kVecs>(valid, [&](auto count) {
       for_each_unpacked<T>(raw, count, [&](int i, const float(&v)[kPer]) {
         float out[kPer];
 #pragma unroll
         for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(kHoldsD ? v[k] : shift.apply(v[k]), scale, offset);
         store_streaming(slice_y + first + i * THREADS, S::pack(out));
       });
-    };
-    if (valid == kVecs) {
-      normalize(all_valid);
-    } else {
-      normalize(valid);
-    }
+    });
     // After the stores, where the values' registers are free (saving earlier spills).
     if (threadIdx.x == 0 && team.rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     first_value = next_first_value;

@@ -136,6 +136,16 @@ def test_checker_rules_catch_what_they_should():
     assert_obeys_checker("# try: pass\nload_inline  // except Error", must_have_kernel=False)
 
 
+def test_kernel_sources_obey_checker_in_comments_too(solution):
+    """A checker that drops only '#' comments reads the bundle's C++ '//' comments
+    as code: the kernel sources keep its words out of their comments too."""
+    for name, source in solution._read_sources().items():
+        code = "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+        for pattern in FORBIDDEN:
+            match = re.search(pattern, code)
+            assert match is None, f"{name} matches {pattern!r}: {match.group(0)!r}"
+
+
 def test_command_line_runs_without_building(tmp_path):
     """--help and --bundle need no compiler: nothing is built (the build root stays absent)."""
     env = dict(os.environ, INSTANCE_NORM_BUILD_ROOT=str(tmp_path / "builds"))
