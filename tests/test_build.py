@@ -33,10 +33,10 @@ def nvcc():
     return os.path.join(cuda_home, "bin", "nvcc")
 
 
-# The exceptions, bounded: ptxas (sm_90a, nvcc 13.0) spills 4-8 bytes (an 8-byte
-# stack frame) in the 16-bit cooperative resident kernels (TeamKind 1), forward and
-# backward; their float32 twins and every cluster kernel do not spill. Measured
-# with these spills: docs/perf-notes.md #43-#44.
+# The exceptions, bounded, on sm_90a only: ptxas (nvcc 13.0) spills 4-8 bytes (an
+# 8-byte stack frame) in the 16-bit cooperative resident kernels (TeamKind 1),
+# forward and backward; their float32 twins and every cluster kernel do not spill.
+# Measured with these spills: docs/perf-notes.md #44.
 SPILL_ALLOWANCE = {r"(forward|backward)_resident_kernelI(6__half|13__nv_bfloat16).*TeamKindE1E": 8}
 
 
@@ -44,7 +44,7 @@ SPILL_ALLOWANCE = {r"(forward|backward)_resident_kernelI(6__half|13__nv_bfloat16
 @pytest.mark.parametrize("source", ["instance_norm_forward.cu", "instance_norm_split.cu", "instance_norm_backward.cu"])
 def test_kernels_do_not_spill(solution, source, capability, tmp_path):
     """ptxas reports no spills and no stack frame for every kernel but the bounded
-    SPILL_ALLOWANCE; the sources also build for sm_80 (A100), where the cluster
+    SPILL_ALLOWANCE (sm_90a); the sources also build for sm_80 (A100), where the cluster
     kernels and the backward's resident kernels compile to empty bodies and the
     other paths run."""
     assert source in solution._CUDA_FILES
@@ -57,7 +57,8 @@ def test_kernels_do_not_spill(solution, source, capability, tmp_path):
     kernels = {name for name, *_ in reports}
     assert len(kernels) >= 2, f"expected several kernels in ptxas -v output, got {kernels}"
     for name, stack, stores, loads in reports:
-        allowed = next((limit for pattern, limit in SPILL_ALLOWANCE.items() if re.search(pattern, name)), 0)
+        allowances = SPILL_ALLOWANCE.items() if capability == (9, 0) else ()
+        allowed = next((limit for pattern, limit in allowances if re.search(pattern, name)), 0)
         assert max(int(stack), int(stores), int(loads)) <= allowed, \
             f"{name}: stack {stack}, spills {stores}/{loads} (allowed {allowed} bytes)"
 
