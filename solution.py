@@ -2,9 +2,9 @@
 
 Importing or exec'ing this file reads the CUDA sources in kernels/ (found next to
 this file, in $INSTANCE_NORM_KERNELS, or in ./kernels when exec'd without
-__file__; a single-file bundle made with --bundle carries them in itself), builds them once with torch.utils.cpp_extension.load_inline into a
-private cache directory named by a hash of sources, flags and versions, and
-defines:
+__file__; a single-file bundle made with --bundle carries them in itself),
+builds them once with torch.utils.cpp_extension.load_inline into a private cache
+directory named by a hash of sources, flags and versions, and defines:
 
 - ModelNew: drop-in for PyTorch's nn.InstanceNorm2d (same constructor).
 - InstanceNorm1d, InstanceNorm2d, InstanceNorm3d: drop-ins for PyTorch's.

@@ -636,11 +636,14 @@ int cached_occupancy(const void* kernel, int tag, Query query) {
   return value;
 }
 
-// Whether the current device is sm_90 or newer (clusters, bulk copies).
+// Whether `device` (or the current device) is sm_90 or newer (clusters, bulk copies).
+inline bool is_sm90_or_newer(int device) {
+  int major = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+}
 inline bool device_is_sm90_or_newer() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess && is_sm90_or_newer(device);
 }
 
 // How many clusters of `cluster_size` CTAs of `kernel` (threads, dynamic shared
@@ -650,8 +653,7 @@ inline bool device_is_sm90_or_newer() {
 inline int max_active_clusters(const void* kernel, int threads, int shared_bytes, int cluster_size) {
   return cached_occupancy(kernel, cluster_size, [&](int device) {
     int max_clusters = 0;
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
+    if (is_sm90_or_newer(device) &&
         (cluster_size <= 8 ||
          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) == cudaSuccess) {

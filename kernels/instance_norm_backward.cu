@@ -433,10 +433,10 @@ __device__ __forceinline__ void fill_ring_slot(unsigned slot_column, const uint4
   if constexpr (KEEP) {
     const uint64_t policy = l2_evict_last_policy();
     ((J < count ? cp_async_16_hint<J * THREADS * 16>(slot_column, column, policy) : void()), ...);
+    cp_async_commit();
   } else {
-    ((J < count ? cp_async_16<J * THREADS * 16>(slot_column, column) : void()), ...);
+    stage_column<THREADS>(slot_column, column, count, std::integer_sequence<int, J...>());
   }
-  cp_async_commit();
 }
 
 // The dy ring of the resident paths: kDyRingSlots slots of kDyBatch vectors per

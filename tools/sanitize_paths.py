@@ -4,9 +4,10 @@
 
 Shapes cover the warp path, full and partly filled clusters, a 16-CTA cluster, odd
 sizes, more slices than resident teams (150 of 25,600 values: the backward's resident
-teams go round twice with 6-13 dy vectors per thread), the split path (contiguous and channels-last), eval with running statistics,
-the running-statistics update and a misaligned view, in float32 and bfloat16, with a
-per-channel weight. Exits 1 if any output is wrong (so a tool run also checks results)."""
+teams go round twice with 6-13 dy vectors per thread), the split path (contiguous
+and channels-last), eval with running statistics, the running-statistics update and
+a misaligned view, in float32 and bfloat16, with a per-channel weight. Exits 1 if any
+output is wrong (so a tool run also checks results)."""
 import itertools
 import os
 import sys
