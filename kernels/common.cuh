@@ -200,11 +200,18 @@ __device__ __forceinline__ void cp_async_16_hint(unsigned shared_base, const voi
 
 // cp.async-copies this thread's 16-byte vectors i < valid (column[i * THREADS])
 // into its shared-memory column (staged_column + i * THREADS * 16 bytes), then
-// commits: the staging of the resident paths' next slice.
-template <int THREADS, int... I>
+// commits (an empty group when valid <= 0): the staging of the resident paths' next
+// slice, and the backward's dy ring. KEEP_IN_L2 asks L2 to keep the lines
+// (evict_last) for a second read.
+template <int THREADS, bool KEEP_IN_L2 = false, int... I>
 __device__ __forceinline__ void stage_column(unsigned staged_column, const uint4* column, int valid,
                                              std::integer_sequence<int, I...>) {
-  ((I < valid ? cp_async_16<I * THREADS * 16>(staged_column, column) : void()), ...);
+  if constexpr (KEEP_IN_L2) {
+    const uint64_t policy = l2_evict_last_policy();
+    ((I < valid ? cp_async_16_hint<I * THREADS * 16>(staged_column, column, policy) : void()), ...);
+  } else {
+    ((I < valid ? cp_async_16<I * THREADS * 16>(staged_column, column) : void()), ...);
+  }
   cp_async_commit();
 }
 
@@ -636,14 +643,10 @@ int cached_occupancy(const void* kernel, int tag, Query query) {
   return value;
 }
 
-// Whether `device` (or the current device) is sm_90 or newer (clusters, bulk copies).
+// Whether `device` is sm_90 or newer (clusters, bulk copies).
 inline bool is_sm90_or_newer(int device) {
   int major = 0;
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
-}
-inline bool device_is_sm90_or_newer() {
-  int device = 0;
-  return cudaGetDevice(&device) == cudaSuccess && is_sm90_or_newer(device);
 }
 
 // How many clusters of `cluster_size` CTAs of `kernel` (threads, dynamic shared
@@ -667,12 +670,14 @@ inline int max_active_clusters(const void* kernel, int threads, int shared_bytes
 }
 
 // How many CTAs of `kernel` (threads, dynamic shared bytes) can be resident at
-// once on the whole current device, the most a cooperative launch may have. Sets
-// the kernel's shared-memory attribute the launch needs. Cached.
-inline int max_resident_ctas(const void* kernel, int threads, int shared_bytes) {
+// once on the whole current device, the most a cooperative launch may have: 0 where
+// the device cannot launch cooperatively, or is older than sm_90 for a kernel that
+// needs_sm90. Sets the kernel's shared-memory attribute the launch needs. Cached.
+inline int max_resident_ctas(const void* kernel, int threads, int shared_bytes, bool needs_sm90) {
   return cached_occupancy(kernel, 0, [&](int device) {
     int per_sm = 0, sms = 0, cooperative = 0;
-    if (cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !cooperative ||
+    if ((needs_sm90 && !is_sm90_or_newer(device)) ||
+        cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !cooperative ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
@@ -687,7 +692,8 @@ inline int max_resident_ctas(const void* kernel, int threads, int shared_bytes) 
 // values of a slice per CTA, shared_bytes of dynamic shared memory, total_bytes
 // the size of the CTA total a cooperative team exchanges. A slice of `spatial`
 // values takes a team of ceil(spatial / cta_capacity) CTAs; the grid holds as many
-// teams as can be resident, each looping over slices.
+// teams as can be resident, each looping over slices. needs_sm90: the kernels are
+// empty before sm_90 (bulk copies), so neither team kind fits there.
 template <typename Problem>
 struct ResidentVariant {
   DType dtype;
@@ -697,6 +703,7 @@ struct ResidentVariant {
   int total_bytes;
   void (*cluster_kernel)(const Problem);
   void (*cooperative_kernel)(const Problem);
+  bool needs_sm90;
 
   int team_size(int64_t spatial) const { return team_size_for(spatial, cta_capacity); }
 
@@ -720,7 +727,7 @@ struct ResidentVariant {
   // Cooperative teams (any GPU with cooperative launch); p.workspace must hold
   // cooperative_workspace_bytes(p).
   int resident_ctas() const {
-    return max_resident_ctas(reinterpret_cast<const void*>(cooperative_kernel), threads, shared_bytes);
+    return max_resident_ctas(reinterpret_cast<const void*>(cooperative_kernel), threads, shared_bytes, needs_sm90);
   }
   bool cooperative_fits(int64_t spatial) const { return team_size(spatial) <= resident_ctas(); }
   int64_t cooperative_teams(const Problem& p) const {

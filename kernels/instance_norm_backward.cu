@@ -423,22 +423,6 @@ __device__ __forceinline__ void store_batch(uint4* column, int b, int valid, con
   ((b + J < valid ? store_streaming_at<J * THREADS * 16>(column, dx_raw[J]) : void()), ...);
 }
 
-// cp.async-copies this thread's dy vectors j < count (column[j * THREADS]) into its
-// column of a ring slot (slot_column + j * THREADS * 16 bytes), with an L2 evict_last
-// policy when KEEP (the first read, which the second should find in L2), then commits
-// (an empty group when count <= 0, so every thread commits the same groups).
-template <int THREADS, bool KEEP, int... J>
-__device__ __forceinline__ void fill_ring_slot(unsigned slot_column, const uint4* column, int count,
-                                               std::integer_sequence<int, J...>) {
-  if constexpr (KEEP) {
-    const uint64_t policy = l2_evict_last_policy();
-    ((J < count ? cp_async_16_hint<J * THREADS * 16>(slot_column, column, policy) : void()), ...);
-    cp_async_commit();
-  } else {
-    stage_column<THREADS>(slot_column, column, count, std::integer_sequence<int, J...>());
-  }
-}
-
 // The dy ring of the resident paths: kDyRingSlots slots of kDyBatch vectors per
 // thread (96 KB for 512 threads), so 12 of a thread's dy vectors are in flight.
 // (112, 64, 512, 512) fp32 backward: 3 x 4 5.77 ms, 6 x 2 6.02, 2 x 4 5.91,
@@ -533,17 +517,18 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
   const unsigned ring_column =
       static_cast<unsigned>(__cvta_generic_to_shared(staged + kCtaVecs + threadIdx.x));
   int slot = 0;  // of the next fill to read
-  // fill_slice == num_slices (past the team's last slice): an empty group; its
-  // address, past dy, is never dereferenced.
+  // fill_slice == num_slices (past the team's last slice): an empty group, so every
+  // thread commits the same groups; its address, past dy, is never dereferenced. The
+  // first read of dy asks L2 to keep it for the second.
   const auto fill = [&](int g, int64_t fill_slice, unsigned slot_column) {
     const int batch = g % kFillsPerRead;
     const uint4* column =
         reinterpret_cast<const uint4*>(dy + fill_slice * spatial) + first + batch * kBatch * THREADS;
     const int count = fill_slice < num_slices ? valid - batch * kBatch : 0;
     if (g < kFillsPerRead) {
-      fill_ring_slot<THREADS, true>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
+      stage_column<THREADS, true>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
     } else {
-      fill_ring_slot<THREADS, false>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
+      stage_column<THREADS>(slot_column, column, count, std::make_integer_sequence<int, kBatch>());
     }
   };
   // Fill g of `slice` (this thread's vectors b + j, b = batch * kBatch) into dy_raw,
@@ -663,7 +648,8 @@ constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
           THREADS * VALUES * static_cast<int>(sizeof(T)) + kDyRingSlots * kDyBatch * THREADS * 16,
           static_cast<int>(sizeof(float2)),
           backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
-          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>};
+          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>,
+          true};
 }
 
 // One CTA per SM (512 threads): 64 registers of x per thread (128 KB of registers
@@ -798,8 +784,7 @@ cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
 
 bool resident_supported(TeamKind team, const BackwardProblem& p) {
   const ResidentVariant<BackwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
-  return device_is_sm90_or_newer() && !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 &&
-         aligned16(p.x) && aligned16(p.dy) &&
+  return !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
          aligned16(p.dx) &&
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }

@@ -251,7 +251,8 @@ constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
           THREADS * VALUES * static_cast<int>(sizeof(T)),
           static_cast<int>(sizeof(SliceStats)),
           forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>};
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>,
+          false};
 }
 
 // 512 threads x 16 vectors: 128 KB of registers plus 128 KB of the staged next
