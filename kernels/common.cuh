@@ -643,6 +643,14 @@ int cached_occupancy(const void* kernel, int tag, Query query) {
   return value;
 }
 
+// Raises `kernel`'s dynamic shared-memory limit to `shared_bytes` on the current
+// device (once per device; cached): whether it may now launch with that much.
+inline bool allow_dynamic_shared(const void* kernel, int shared_bytes) {
+  return cached_occupancy(kernel, shared_bytes, [&](int) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) == cudaSuccess;
+  }) != 0;
+}
+
 // Whether `device` is sm_90 or newer (clusters, bulk copies).
 inline bool is_sm90_or_newer(int device) {
   int major = 0;

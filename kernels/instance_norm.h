@@ -24,7 +24,8 @@ enum class Layout : int { kContiguous = 0, kChannelsLast = 1 };
 // (tests and bench.py use them to exercise and time every path).
 enum class ForwardPath : int {
   kAuto = 0,
-  // One CTA per slice, many slices per SM, the slice held in registers (read once).
+  // One CTA per slice, many slices per SM, the slice held in shared memory (read
+  // once).
   // Contiguous, spatial <= kBlockMaxSpatial, any alignment and GPU.
   kBlock = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up

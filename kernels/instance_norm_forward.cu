@@ -28,76 +28,134 @@ __device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_
   if (p.rstd != nullptr) p.rstd[slice] = rstd;
 }
 
-// Row paths, for slices that fit one warp (kWarp) or one CTA (kBlock): a group of
-// GROUP threads (a warp, or the whole CTA) per slice, grid-stride over slices, any
-// alignment and GPU. Thread t of the group holds elements t + GROUP k (k < VALUES) in
-// registers, so the slice is read once and each load instruction of a warp reads
-// consecutive elements; many groups are resident per SM, so many slices are in
-// flight at once. The mean and then the centered M2 are summed over the group (an
-// xor butterfly, or cub::BlockReduce, both in a fixed order). Statistics of the
-// shifted, scaled values (SliceShift), as on the other paths.
-// CTA sizes: 512 threads (16 warp groups) for the warp path, 1024 (one group) for
-// the block path; both at most 64 registers per thread, so two 512-thread or one
-// 1024-thread CTA per SM hold up to 2 x 16,384 fp32 values in flight per SM.
+// Warp path, for slices of at most kWarpMaxSpatial values: a warp per slice, 16
+// warps per CTA, grid-stride over slices, any alignment and GPU. Lane l holds
+// elements l + 32 k (k < VALUES) in registers, so the slice is read once and each
+// load instruction of a warp reads consecutive elements; many warps are resident per
+// SM, so many slices are in flight at once. The mean and then the centered M2 are
+// summed over the warp (an xor butterfly, a fixed order). Statistics of the shifted,
+// scaled values (SliceShift), as on the other paths.
 constexpr int kWarpPathThreads = 512;
-constexpr int kBlockPathThreads = 1024;
 
-template <int GROUP>
-__host__ __device__ constexpr int row_cta_threads() {
-  return GROUP == kWarpSize ? kWarpPathThreads : GROUP;
-}
-
-// Sum of v over the group, returned to every thread of it.
-template <int GROUP>
-__device__ __forceinline__ float group_sum(float v, typename BlockAllReduce<float, GROUP, Sum>::TempStorage& storage) {
-  if constexpr (GROUP == kWarpSize) {
-    return warp_allreduce(v, Sum());
-  } else {
-    return BlockAllReduce<float, GROUP, Sum>::allreduce(v, storage);
-  }
-}
-
-template <typename T, int GROUP, int VALUES>
-__global__ void __launch_bounds__(row_cta_threads<GROUP>(), 65536 / 64 / row_cta_threads<GROUP>())
-    forward_rows_kernel(const ForwardProblem p) {
-  static_assert(GROUP == kWarpSize || GROUP == kBlockPathThreads, "a warp or the whole CTA per slice");
+template <typename T, int VALUES>
+__global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThreads)
+    forward_warp_kernel(const ForwardProblem p) {
   using S = Storage<T>;
-  constexpr int kGroups = row_cta_threads<GROUP>() / GROUP;
-  __shared__ typename BlockAllReduce<float, GROUP, Sum>::TempStorage storage;
+  constexpr int kWarps = kWarpPathThreads / kWarpSize;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
-  const int rank = threadIdx.x % GROUP;
+  const int lane = threadIdx.x % kWarpSize;
   const int spatial = static_cast<int>(p.spatial);
   const int64_t num_slices = p.num_slices();
-  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kGroups + threadIdx.x / GROUP; slice < num_slices;
-       slice += static_cast<int64_t>(gridDim.x) * kGroups) {
+  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; slice < num_slices;
+       slice += static_cast<int64_t>(gridDim.x) * kWarps) {
     const T* slice_x = x + slice * spatial;
     const SliceShift shift = SliceShift::of(S::to_float(__ldg(slice_x)));
     float d[VALUES];
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
-      const int i = rank + k * GROUP;
+      const int i = lane + k * kWarpSize;
       d[k] = i < spatial ? shift.apply(S::to_float(__ldg(slice_x + i))) : 0.f;
       sum += d[k];
     }
-    const float mean = group_sum<GROUP>(sum, storage) / static_cast<float>(spatial);
+    const float mean = warp_allreduce(sum, Sum()) / static_cast<float>(spatial);
     float m2 = 0.f;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
-      const float deviation = rank + k * GROUP < spatial ? d[k] - mean : 0.f;
+      const float deviation = lane + k * kWarpSize < spatial ? d[k] - mean : 0.f;
       m2 += deviation * deviation;
     }
-    const float rstd = shift.rstd_of_d(group_sum<GROUP>(m2, storage), static_cast<float>(spatial), p.eps);
-    if (rank == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
+    const float rstd = shift.rstd_of_d(warp_allreduce(m2, Sum()), static_cast<float>(spatial), p.eps);
+    if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     const float2 affine = slice_affine(p, slice);
     const float scale = rstd * affine.x;
     T* slice_y = y + slice * spatial;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
-      const int i = rank + k * GROUP;
+      const int i = lane + k * kWarpSize;
       if (i < spatial) slice_y[i] = S::from_float((d[k] - mean) * scale + affine.y);
     }
+  }
+}
+
+// Block path: one CTA per slice of at most kBlockMaxSpatial values, the slice held
+// in shared memory (spatial * sizeof(T) bytes, rounded up to 16, of dynamic shared
+// memory), so an SM holds as many slices at once as its shared memory takes (three
+// 64 KB fp32 or six 32 KB 16-bit slices of 16,384 values on an H200) and one CTA's
+// reductions overlap the other CTAs' reads and writes. HBM is read once: 16-byte
+// cp.async copies where the slice starts 16-byte aligned, else scalar loads. Then
+// three passes over shared memory (16-byte reads of the whole vectors, scalar ones of
+// the fewer than 8 values after them): the sum of d, the M2 of d about its mean,
+// and y = d * scale + (bias - mean * scale), d = (x - shift) * k (SliceShift), as on
+// the resident paths. Grid-stride over slices, any alignment and GPU.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardProblem p) {
+  using S = Storage<T>;
+  constexpr int kPer = S::kPerVector;
+  using Reduce = BlockAllReduce<float, THREADS, Sum>;
+  __shared__ typename Reduce::TempStorage storage;
+  extern __shared__ uint4 slice_vectors[];  // the slice, from element 0
+  T* const slice_values = reinterpret_cast<T*>(slice_vectors);
+  const int spatial = static_cast<int>(p.spatial);
+  const int num_vecs = spatial / kPer;
+  const int64_t num_slices = p.num_slices();
+  // f(i, x) for each value x = slice[i] this thread takes: i = kPer * v + k for its
+  // vectors v, then the values after the last whole vector.
+  const auto for_each_value = [&](auto f) {
+    for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
+      float values[kPer];
+      S::unpack(slice_vectors[v], values);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) f(v * kPer + k, values[k]);
+    }
+    for (int i = num_vecs * kPer + threadIdx.x; i < spatial; i += THREADS) f(i, S::to_float(slice_values[i]));
+  };
+  for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
+    const T* slice_x = static_cast<const T*>(p.x) + slice * spatial;
+    T* slice_y = static_cast<T*>(p.y) + slice * spatial;
+    if (reinterpret_cast<uintptr_t>(slice_x) % 16 == 0) {
+      const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(slice_vectors));
+      for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
+        cp_async_16<0>(shared_base + 16u * v, reinterpret_cast<const uint4*>(slice_x) + v);
+      }
+      for (int i = num_vecs * kPer + threadIdx.x; i < spatial; i += THREADS) slice_values[i] = __ldg(slice_x + i);
+      cp_async_wait_all();
+    } else {
+#pragma unroll 8
+      for (int i = threadIdx.x; i < spatial; i += THREADS) slice_values[i] = __ldg(slice_x + i);
+    }
+    __syncthreads();
+    const SliceShift shift = SliceShift::of(S::to_float(slice_values[0]));
+    float sum = 0.f;
+    for_each_value([&](int, float x) { sum += shift.apply(x); });
+    const float mean = Reduce::allreduce(sum, storage) / static_cast<float>(spatial);
+    float m2 = 0.f;
+    for_each_value([&](int, float x) {
+      const float deviation = shift.apply(x) - mean;
+      m2 += deviation * deviation;
+    });
+    const float rstd = shift.rstd_of_d(Reduce::allreduce(m2, storage), static_cast<float>(spatial), p.eps);
+    if (threadIdx.x == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
+    const float2 affine = slice_affine(p, slice);
+    const float scale = rstd * affine.x;
+    const float offset = affine.y - mean * scale;
+    const auto y_of = [&](float x) { return __fmaf_rn(shift.apply(x), scale, offset); };
+    if (reinterpret_cast<uintptr_t>(slice_y) % 16 == 0) {
+      for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
+        float values[kPer];
+        S::unpack(slice_vectors[v], values);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) values[k] = y_of(values[k]);
+        store_streaming(reinterpret_cast<uint4*>(slice_y) + v, S::pack(values));
+      }
+      for (int i = num_vecs * kPer + threadIdx.x; i < spatial; i += THREADS) {
+        slice_y[i] = S::from_float(y_of(S::to_float(slice_values[i])));
+      }
+    } else {
+      for (int i = threadIdx.x; i < spatial; i += THREADS) slice_y[i] = S::from_float(y_of(S::to_float(slice_values[i])));
+    }
+    __syncthreads();  // every thread has read the slice before the next one overwrites it
   }
 }
 
@@ -275,38 +333,48 @@ bool resident_supported(TeamKind team, const ForwardProblem& p) {
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }
 
-template <typename T, int GROUP, int VALUES>
-cudaError_t launch_rows(const ForwardProblem& p, cudaStream_t stream) {
-  constexpr int kThreads = row_cta_threads<GROUP>();
-  forward_rows_kernel<T, GROUP, VALUES><<<grid_for(p.num_slices(), kThreads / GROUP), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
-}
-
-// The smallest variant that holds the slice: a warp of 32 x {2, 8, 32} values, or a
-// CTA of 1024 x {4, 8, 16}.
+// The smallest variant that holds the slice: a warp of 32 x {2, 8, 32} values.
 cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (p.spatial <= 2 * kWarpSize) return launch_rows<T, kWarpSize, 2>(p, stream);
-    if (p.spatial <= 8 * kWarpSize) return launch_rows<T, kWarpSize, 8>(p, stream);
-    return launch_rows<T, kWarpSize, 32>(p, stream);
+    const auto launch = [&](auto kernel) {
+      kernel<<<grid_for(p.num_slices(), kWarpPathThreads / kWarpSize), kWarpPathThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    };
+    if (p.spatial <= 2 * kWarpSize) return launch(forward_warp_kernel<T, 2>);
+    if (p.spatial <= 8 * kWarpSize) return launch(forward_warp_kernel<T, 8>);
+    return launch(forward_warp_kernel<T, 32>);
   });
 }
+
+// CTAs of 128, 256 or 512 threads: the largest that gives each thread at least
+// kBlockVectorsPerThread 16-byte vectors of the slice. Small slices then take many
+// small CTAs per SM (shared memory allows up to 25 of 9 KB), large ones up to
+// 2,048 threads in three or four CTAs (docs/perf-notes.md #54 compares sizes).
+constexpr int kBlockVectorsPerThread = 4;
 
 cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (p.spatial <= 4 * kBlockPathThreads) return launch_rows<T, kBlockPathThreads, 4>(p, stream);
-    if (p.spatial <= 8 * kBlockPathThreads) return launch_rows<T, kBlockPathThreads, 8>(p, stream);
-    return launch_rows<T, kBlockPathThreads, 16>(p, stream);
+    const auto launch = [&](auto kernel, int threads) {
+      if (!allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kBlockMaxSpatial * sizeof(T))) {
+        return cudaErrorInvalidConfiguration;
+      }
+      const int shared_bytes = static_cast<int>((p.spatial * sizeof(T) + 15) / 16 * 16);
+      kernel<<<grid_for(p.num_slices(), 1), threads, shared_bytes, stream>>>(p);
+      return cudaGetLastError();
+    };
+    const int64_t vectors = (p.spatial + Storage<T>::kPerVector - 1) / Storage<T>::kPerVector;
+    if (vectors >= 512 * kBlockVectorsPerThread) return launch(forward_block_kernel<T, 512>, 512);
+    if (vectors >= 256 * kBlockVectorsPerThread) return launch(forward_block_kernel<T, 256>, 256);
+    return launch(forward_block_kernel<T, 128>, 128);
   });
 }
 
 }  // namespace forward_detail
 
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
-static_assert(kBlockMaxSpatial == 16 * forward_detail::kBlockPathThreads,
-              "the block path's largest variant holds 16 values per thread");
+
 
 // Slices that fit a warp or a CTA take the row paths, which keep many slices in
 // flight per SM; larger ones the cluster path where it runs, else cooperative teams
