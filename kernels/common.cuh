@@ -643,12 +643,27 @@ int cached_occupancy(const void* kernel, int tag, Query query) {
   return value;
 }
 
-// Raises `kernel`'s dynamic shared-memory limit to `shared_bytes` on the current
-// device (once per device; cached): whether it may now launch with that much.
-inline bool allow_dynamic_shared(const void* kernel, int shared_bytes) {
-  return cached_occupancy(kernel, shared_bytes, [&](int) {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) == cudaSuccess;
-  }) != 0;
+// How many CTAs of `kernel` (threads, dynamic shared bytes) one SM of the current
+// device holds at once; 0 where a CTA cannot have that much shared memory. Raises
+// the kernel's dynamic shared-memory limit to the most the device allows beside its
+// static shared memory, as a launch with more than 48 KB needs. Cached per (device,
+// kernel, shared_bytes).
+inline int ctas_per_sm(const void* kernel, int threads, int shared_bytes) {
+  return cached_occupancy(kernel, shared_bytes, [&](int device) {
+    int optin = 0, per_sm = 0;
+    cudaFuncAttributes attributes;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+      return 0;
+    }
+    const int dynamic_limit = optin - static_cast<int>(attributes.sharedSizeBytes);
+    if (shared_bytes > dynamic_limit ||
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_limit) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
+      per_sm = 0;
+    }
+    return per_sm;
+  });
 }
 
 // Whether `device` is sm_90 or newer (clusters, bulk copies).

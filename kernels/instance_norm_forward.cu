@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   }
 }
 
-// Block path: one CTA per slice of at most kBlockMaxSpatial values, the slice held
+// Block path: one CTA per slice (block_fits below says which), the slice held
 // in shared memory (spatial * sizeof(T) bytes, rounded up to 16, of dynamic shared
 // memory), so an SM holds as many slices at once as its shared memory takes (three
 // 64 KB fp32 or six 32 KB 16-bit slices of 16,384 values on an H200) and one CTA's
@@ -153,7 +153,9 @@ __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardPro
         slice_y[i] = S::from_float(y_of(S::to_float(slice_values[i])));
       }
     } else {
-      for (int i = threadIdx.x; i < spatial; i += THREADS) slice_y[i] = S::from_float(y_of(S::to_float(slice_values[i])));
+      for (int i = threadIdx.x; i < spatial; i += THREADS) {
+        slice_y[i] = S::from_float(y_of(S::to_float(slice_values[i])));
+      }
     }
     __syncthreads();  // every thread has read the slice before the next one overwrites it
   }
@@ -347,28 +349,54 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
   });
 }
 
-// CTAs of 128, 256 or 512 threads: the largest that gives each thread at least
-// kBlockVectorsPerThread 16-byte vectors of the slice. Small slices then take many
-// small CTAs per SM (shared memory allows up to 25 of 9 KB), large ones up to
-// 2,048 threads in three or four CTAs (docs/perf-notes.md #54 compares sizes).
+// The block path's launch for a slice of `spatial` values of T: CTAs of 128, 256 or
+// 512 threads, the largest that gives each thread at least kBlockVectorsPerThread
+// 16-byte vectors of the slice, so small slices take many small CTAs per SM (shared
+// memory allows up to 25 of 9 KB) and large ones up to 2,048 threads in three or four
+// CTAs (docs/perf-notes.md #54 compares sizes); dynamic shared memory for the slice.
+struct BlockLaunch {
+  void (*kernel)(const ForwardProblem);
+  int threads;
+  int shared_bytes;
+};
 constexpr int kBlockVectorsPerThread = 4;
+// Larger slices never take the block path (no GPU has this much shared memory per CTA).
+constexpr int64_t kBlockMaxBytes = 1 << 20;
 
+template <typename T>
+BlockLaunch block_launch_for(int64_t spatial) {
+  const int64_t bytes = std::min<int64_t>(spatial * static_cast<int64_t>(sizeof(T)), kBlockMaxBytes);
+  const int shared_bytes = static_cast<int>((bytes + 15) / 16 * 16);
+  const int64_t vectors = (spatial + Storage<T>::kPerVector - 1) / Storage<T>::kPerVector;
+  if (vectors >= 512 * kBlockVectorsPerThread) return {forward_block_kernel<T, 512>, 512, shared_bytes};
+  if (vectors >= 256 * kBlockVectorsPerThread) return {forward_block_kernel<T, 256>, 256, shared_bytes};
+  return {forward_block_kernel<T, 128>, 128, shared_bytes};
+}
+
+BlockLaunch block_launch(const ForwardProblem& p) {
+  switch (p.dtype) {
+    case DType::kFloat16: return block_launch_for<__half>(p.spatial);
+    case DType::kBFloat16: return block_launch_for<__nv_bfloat16>(p.spatial);
+    default: return block_launch_for<float>(p.spatial);
+  }
+}
+
+// The block path takes a slice whose shared-memory copy leaves room for two CTAs per
+// SM on the current device, so that one CTA's reductions overlap another's reads and
+// writes (on an H200 up to about 113 KB: 28,904 fp32 or 57,808 fp16/bf16 values).
+// Larger slices take the cluster path (docs/perf-notes.md #55: one CTA per SM on
+// this path measured faster still, not yet adopted). Contiguous, any alignment.
+bool block_fits(const ForwardProblem& p) {
+  const BlockLaunch launch = block_launch(p);
+  return p.layout == Layout::kContiguous && p.spatial * element_bytes(p.dtype) <= kBlockMaxBytes &&
+         ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes) >= 2;
+}
+
+// Only after block_fits(p), which also raises the kernel's shared-memory limit.
 cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    const auto launch = [&](auto kernel, int threads) {
-      if (!allow_dynamic_shared(reinterpret_cast<const void*>(kernel), kBlockMaxSpatial * sizeof(T))) {
-        return cudaErrorInvalidConfiguration;
-      }
-      const int shared_bytes = static_cast<int>((p.spatial * sizeof(T) + 15) / 16 * 16);
-      kernel<<<grid_for(p.num_slices(), 1), threads, shared_bytes, stream>>>(p);
-      return cudaGetLastError();
-    };
-    const int64_t vectors = (p.spatial + Storage<T>::kPerVector - 1) / Storage<T>::kPerVector;
-    if (vectors >= 512 * kBlockVectorsPerThread) return launch(forward_block_kernel<T, 512>, 512);
-    if (vectors >= 256 * kBlockVectorsPerThread) return launch(forward_block_kernel<T, 256>, 256);
-    return launch(forward_block_kernel<T, 128>, 128);
-  });
+  const BlockLaunch launch = block_launch(p);
+  launch.kernel<<<grid_for(p.num_slices(), 1), launch.threads, launch.shared_bytes, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace forward_detail
@@ -383,7 +411,7 @@ ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
   if (problem.layout != Layout::kContiguous) return ForwardPath::kSplit;
   if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
-  if (problem.spatial <= kBlockMaxSpatial) return ForwardPath::kBlock;
+  if (block_fits(problem)) return ForwardPath::kBlock;
   if (resident_supported(TeamKind::kCluster, problem)) return ForwardPath::kCluster;
   return resident_supported(TeamKind::kCooperative, problem) ? ForwardPath::kCooperative : ForwardPath::kSplit;
 }
@@ -393,7 +421,7 @@ bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
   const bool contiguous = problem.layout == Layout::kContiguous;
   switch (path) {
     case ForwardPath::kAuto: return true;
-    case ForwardPath::kBlock: return contiguous && problem.spatial <= kBlockMaxSpatial;
+    case ForwardPath::kBlock: return block_fits(problem);
     case ForwardPath::kCluster: return resident_supported(TeamKind::kCluster, problem);
     case ForwardPath::kCooperative: return resident_supported(TeamKind::kCooperative, problem);
     case ForwardPath::kWarp: return contiguous && problem.spatial <= kWarpMaxSpatial;

@@ -43,8 +43,21 @@ def check_paths(solution, x, weight=None, bias=None, expect_paths=None):
 
 # Largest slice each path holds (kernels/instance_norm.h); the cluster path also
 # needs spatial to be a multiple of the 16-byte vector (4 fp32, 8 fp16/bf16 values).
-WARP_MAX, BLOCK_MAX = 1024, 16384
+WARP_MAX = 1024
 CTA_CAPACITY = {torch.float32: 512 * 64, torch.float16: 512 * 128, torch.bfloat16: 512 * 128}
+
+
+def block_fits(spatial, dtype):
+    """Whether the block path takes a slice: its copy in shared memory (rounded up to
+    16 bytes) leaves room for two CTAs per SM, each also holding the 1 KB the runtime
+    reserves per CTA and the kernel's static shared memory (under 256 bytes). Test
+    shapes keep clear of the sizes where that last term decides."""
+    props = torch.cuda.get_device_properties(0)
+    slice_bytes = -(-spatial * torch.finfo(dtype).bits // 8 // 16) * 16
+    fits = slice_bytes <= props.shared_memory_per_block_optin
+    assert not (fits and 2 * (slice_bytes + 1024) <= props.shared_memory_per_multiprocessor
+                < 2 * (slice_bytes + 1024 + 256)), f"spatial {spatial} is too close to the block path's limit"
+    return fits and 2 * (slice_bytes + 1024) <= props.shared_memory_per_multiprocessor
 
 
 def expected_paths(shape, dtype):
@@ -53,7 +66,7 @@ def expected_paths(shape, dtype):
     paths = {SPLIT}
     if spatial <= WARP_MAX:
         paths.add(WARP)
-    if spatial <= BLOCK_MAX:
+    if block_fits(spatial, dtype):
         paths.add(BLOCK)
     if spatial % (4 if dtype == torch.float32 else 8) == 0:
         ctas = -(-spatial // CTA_CAPACITY[dtype])
@@ -223,6 +236,10 @@ def test_automatic_path_per_size(solution):
     assert chosen(2, 3, 33, 31) == WARP
     assert chosen(2, 3, 45, 45) == BLOCK
     assert chosen(2, 320, 128, 128) == BLOCK
+    assert chosen(8, 64, 160, 160) == BLOCK  # 100 KB: two CTAs per SM
+    assert chosen(8, 64, 160, 160, dtype=torch.bfloat16) == BLOCK
+    assert chosen(8, 64, 224, 224) == CLUSTER  # 196 KB: one CTA per SM
+    assert chosen(8, 64, 224, 224, dtype=torch.bfloat16) == BLOCK  # 98 KB
     assert chosen(1, 2, 1024, 1024) == COOPERATIVE  # 32 CTAs
     assert chosen(1, 2, 1024, 1024, dtype=torch.bfloat16) == CLUSTER
     assert chosen(1, 32, 128, 128, 128) == COOPERATIVE  # 64 CTAs
