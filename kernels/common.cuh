@@ -150,6 +150,10 @@ __device__ __forceinline__ auto with_valid_count(int valid, F f) {
   return valid == N ? f(cuda::std::integral_constant<int, N>()) : f(valid);
 }
 
+// Whether p is 16-byte aligned; nullptr counts as aligned (support queries made
+// before the output exists; the caching allocator's blocks are aligned).
+__host__ __device__ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // An L2 eviction policy that keeps lines (evict_last), for a first read whose
 // second should find them in L2.
 __device__ __forceinline__ uint64_t l2_evict_last_policy() {
@@ -585,10 +589,6 @@ inline int element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2;
 // Values of `dtype` per 16-byte vector: 4 fp32 or 8 fp16/bf16.
 inline int values_per_vector(DType dtype) { return 16 / element_bytes(dtype); }
 
-// Whether p is 16-byte aligned; nullptr counts as aligned (support queries made
-// before the output exists; the caching allocator's blocks are aligned).
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Launch configuration of `num_ctas` CTAs of `threads` threads with
 // `shared_bytes` of dynamic shared memory and one launch attribute, which must
 // outlive the launch call.
@@ -647,7 +647,8 @@ int cached_occupancy(const void* kernel, int tag, Query query) {
 // device holds at once; 0 where a CTA cannot have that much shared memory. Raises
 // the kernel's dynamic shared-memory limit to the most the device allows beside its
 // static shared memory, as a launch with more than 48 KB needs. Cached per (device,
-// kernel, shared_bytes).
+// kernel, shared_bytes): `threads` must be fixed by the kernel (its launch bounds),
+// as it is for the block path's kernels, one query per slice size.
 inline int ctas_per_sm(const void* kernel, int threads, int shared_bytes) {
   return cached_occupancy(kernel, shared_bytes, [&](int device) {
     int optin = 0, per_sm = 0;

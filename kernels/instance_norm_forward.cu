@@ -81,9 +81,9 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 
 // Block path: one CTA per slice (block_fits below says which), the slice held
 // in shared memory (spatial * sizeof(T) bytes, rounded up to 16, of dynamic shared
-// memory), so an SM holds as many slices at once as its shared memory takes (three
-// 64 KB fp32 or six 32 KB 16-bit slices of 16,384 values on an H200) and one CTA's
-// reductions overlap the other CTAs' reads and writes. HBM is read once: 16-byte
+// memory), so an SM holds as many slices at once as its shared memory and 2,048
+// threads allow (on an H200 three 64 KB fp32 or four 32 KB 16-bit slices of 16,384
+// values) and one CTA's reductions overlap the other CTAs' reads and writes. HBM is read once: 16-byte
 // cp.async copies where the slice starts 16-byte aligned, else scalar loads. Then
 // three passes over shared memory (16-byte reads of the whole vectors, scalar ones of
 // the fewer than 8 values after them): the sum of d, the M2 of d about its mean,
@@ -100,21 +100,21 @@ __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardPro
   const int spatial = static_cast<int>(p.spatial);
   const int num_vecs = spatial / kPer;
   const int64_t num_slices = p.num_slices();
-  // f(i, x) for each value x = slice[i] this thread takes: i = kPer * v + k for its
-  // vectors v, then the values after the last whole vector.
+  // f(x) for each value x of the slice this thread takes: those of its vectors
+  // v = threadIdx.x + THREADS * j, then of the values after the last whole vector.
   const auto for_each_value = [&](auto f) {
     for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
       float values[kPer];
       S::unpack(slice_vectors[v], values);
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) f(v * kPer + k, values[k]);
+      for (int k = 0; k < kPer; ++k) f(values[k]);
     }
-    for (int i = num_vecs * kPer + threadIdx.x; i < spatial; i += THREADS) f(i, S::to_float(slice_values[i]));
+    for (int i = num_vecs * kPer + threadIdx.x; i < spatial; i += THREADS) f(S::to_float(slice_values[i]));
   };
   for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
     const T* slice_x = static_cast<const T*>(p.x) + slice * spatial;
     T* slice_y = static_cast<T*>(p.y) + slice * spatial;
-    if (reinterpret_cast<uintptr_t>(slice_x) % 16 == 0) {
+    if (aligned16(slice_x)) {
       const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(slice_vectors));
       for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
         cp_async_16<0>(shared_base + 16u * v, reinterpret_cast<const uint4*>(slice_x) + v);
@@ -128,10 +128,10 @@ __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardPro
     __syncthreads();
     const SliceShift shift = SliceShift::of(S::to_float(slice_values[0]));
     float sum = 0.f;
-    for_each_value([&](int, float x) { sum += shift.apply(x); });
+    for_each_value([&](float x) { sum += shift.apply(x); });
     const float mean = Reduce::allreduce(sum, storage) / static_cast<float>(spatial);
     float m2 = 0.f;
-    for_each_value([&](int, float x) {
+    for_each_value([&](float x) {
       const float deviation = shift.apply(x) - mean;
       m2 += deviation * deviation;
     });
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardPro
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     const auto y_of = [&](float x) { return __fmaf_rn(shift.apply(x), scale, offset); };
-    if (reinterpret_cast<uintptr_t>(slice_y) % 16 == 0) {
+    if (aligned16(slice_y)) {
       for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
         float values[kPer];
         S::unpack(slice_vectors[v], values);
@@ -349,11 +349,12 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
   });
 }
 
-// The block path's launch for a slice of `spatial` values of T: CTAs of 128, 256 or
-// 512 threads, the largest that gives each thread at least kBlockVectorsPerThread
-// 16-byte vectors of the slice, so small slices take many small CTAs per SM (shared
-// memory allows up to 25 of 9 KB) and large ones up to 2,048 threads in three or four
-// CTAs (docs/perf-notes.md #54 compares sizes); dynamic shared memory for the slice.
+// The block path's launch for a slice of `spatial` values of T (at most
+// kBlockMaxBytes): CTAs of 128, 256 or 512 threads, the largest that gives each
+// thread at least kBlockVectorsPerThread 16-byte vectors of the slice, so small slices
+// take many small CTAs per SM (up to 16 of 128 threads) and large ones up to 2,048
+// threads in three or four CTAs (docs/perf-notes.md #54 compares sizes); dynamic
+// shared memory for the slice, rounded up to 16 bytes.
 struct BlockLaunch {
   void (*kernel)(const ForwardProblem);
   int threads;
@@ -365,8 +366,7 @@ constexpr int64_t kBlockMaxBytes = 1 << 20;
 
 template <typename T>
 BlockLaunch block_launch_for(int64_t spatial) {
-  const int64_t bytes = std::min<int64_t>(spatial * static_cast<int64_t>(sizeof(T)), kBlockMaxBytes);
-  const int shared_bytes = static_cast<int>((bytes + 15) / 16 * 16);
+  const int shared_bytes = static_cast<int>((spatial * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16);
   const int64_t vectors = (spatial + Storage<T>::kPerVector - 1) / Storage<T>::kPerVector;
   if (vectors >= 512 * kBlockVectorsPerThread) return {forward_block_kernel<T, 512>, 512, shared_bytes};
   if (vectors >= 256 * kBlockVectorsPerThread) return {forward_block_kernel<T, 256>, 256, shared_bytes};
@@ -377,19 +377,26 @@ BlockLaunch block_launch(const ForwardProblem& p) {
   switch (p.dtype) {
     case DType::kFloat16: return block_launch_for<__half>(p.spatial);
     case DType::kBFloat16: return block_launch_for<__nv_bfloat16>(p.spatial);
-    default: return block_launch_for<float>(p.spatial);
+    case DType::kFloat32: break;
   }
+  return block_launch_for<float>(p.spatial);
 }
 
-// The block path takes a slice whose shared-memory copy leaves room for two CTAs per
-// SM on the current device, so that one CTA's reductions overlap another's reads and
-// writes (on an H200 up to about 113 KB: 28,904 fp32 or 57,808 fp16/bf16 values).
-// Larger slices take the cluster path (docs/perf-notes.md #55: one CTA per SM on
-// this path measured faster still, not yet adopted). Contiguous, any alignment.
+// The block path takes a contiguous slice (any alignment) whose shared-memory copy
+// leaves room for two CTAs per SM on the current device, so that one CTA's
+// reductions overlap another's reads and writes: on an H200 up to about 113 KB,
+// 28,904 fp32 or 57,808 fp16/bf16 values. Larger slices take the cluster or
+// cooperative path where one runs; else (no cluster, too little shared memory for a
+// cooperative team, e.g. sm_86/89; or a slice not made of whole 16-byte vectors) the
+// block path still takes them with one CTA per SM, one read against the split path's
+// two. (One CTA per SM on this path also beat the cluster path on an H200:
+// docs/perf-notes.md #55.)
 bool block_fits(const ForwardProblem& p) {
+  if (p.layout != Layout::kContiguous || p.spatial * element_bytes(p.dtype) > kBlockMaxBytes) return false;
   const BlockLaunch launch = block_launch(p);
-  return p.layout == Layout::kContiguous && p.spatial * element_bytes(p.dtype) <= kBlockMaxBytes &&
-         ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes) >= 2;
+  const int ctas = ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes);
+  return ctas >= 2 || (ctas == 1 && !resident_supported(TeamKind::kCluster, p) &&
+                       !resident_supported(TeamKind::kCooperative, p));
 }
 
 // Only after block_fits(p), which also raises the kernel's shared-memory limit.
@@ -403,10 +410,11 @@ cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
 
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
 
-
-// Slices that fit a warp or a CTA take the row paths, which keep many slices in
-// flight per SM; larger ones the cluster path where it runs, else cooperative teams
-// where the slice fits the resident CTAs, else the split path.
+// Slices that fit a warp take the warp path; larger ones the block path where its
+// copy in shared memory leaves room for two CTAs per SM (block_fits), then the
+// cluster path where it runs, else cooperative teams where the slice fits the
+// resident CTAs, else the block path with one CTA per SM where that fits, else the
+// split path.
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
   if (problem.layout != Layout::kContiguous) return ForwardPath::kSplit;

@@ -87,7 +87,7 @@ __device__ __forceinline__ float slice_shift(const ForwardProblem& p, int64_t n,
   return Storage<T>::to_float(__ldg(static_cast<const T*>(p.x) + first));
 }
 
-// Pass 1, contiguous: partials[slice * chunks + chunk] for chunks of kChunk values;
+// Kernel 1, contiguous: partials[slice * chunks + chunk] for chunks of kChunk values;
 // thread t reads units t + k * kThreads of its chunk (coalesced), a unit being V
 // values: one 16-byte vector where x and spatial allow, else one value.
 template <typename T, int V>
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Pass 1, channels_last: a (32, 8) block covers 32 channels x kRowsPerChunk rows of
+// Kernel 1, channels_last: a (32, 8) block covers 32 channels x kRowsPerChunk rows of
 // one n; thread (c, r) reads rows r + 8 k of channel c (a warp reads 32 consecutive
 // channels of one row). The 8 row groups are combined in order through shared memory into
 // partials[(n * C + c) * chunks + chunk].
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Pass 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]} (scaled
+// Kernel 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]} (scaled
 // back from d by 1 / k and k, which is exact); the slice's statistics are its chunks' partials combined (and saved to the optional
 // outputs), or running_mean[c] and running_var[c] in eval (shift 0). One warp per
 // slice: lane l combines chunks l, l + 32, ... in order, then the symmetric xor
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Pass 3: y = ((x - shift) - mean) * scale + bias with the float4 of the element's slice, over
+// Kernel 3: y = ((x - shift) - mean) * scale + bias with the float4 of the element's slice, over
 // the flat tensor in units of V values (one vector, or one value where x, y or the
 // row length is not vector-aligned). Units are split into (row, column) per unit
 // with FastDivider, from a per-tile base that thread 0 splits in 64 bits:

@@ -47,17 +47,21 @@ WARP_MAX = 1024
 CTA_CAPACITY = {torch.float32: 512 * 64, torch.float16: 512 * 128, torch.bfloat16: 512 * 128}
 
 
-def block_fits(spatial, dtype):
-    """Whether the block path takes a slice: its copy in shared memory (rounded up to
-    16 bytes) leaves room for two CTAs per SM, each also holding the 1 KB the runtime
-    reserves per CTA and the kernel's static shared memory (under 256 bytes). Test
-    shapes keep clear of the sizes where that last term decides."""
+def block_ctas_per_sm(spatial, dtype):
+    """How many block-path CTAs, up to 2, fit one SM: each holds the slice's copy in
+    shared memory (rounded up to 16 bytes), the 1 KB the runtime reserves per CTA and
+    the kernel's static shared memory (under 256 bytes). That last term decides only
+    within 512 bytes of a limit; test shapes keep clear of those sizes."""
     props = torch.cuda.get_device_properties(0)
     slice_bytes = -(-spatial * torch.finfo(dtype).bits // 8 // 16) * 16
-    fits = slice_bytes <= props.shared_memory_per_block_optin
-    assert not (fits and 2 * (slice_bytes + 1024) <= props.shared_memory_per_multiprocessor
-                < 2 * (slice_bytes + 1024 + 256)), f"spatial {spatial} is too close to the block path's limit"
-    return fits and 2 * (slice_bytes + 1024) <= props.shared_memory_per_multiprocessor
+
+    def ctas(static_bytes):
+        if slice_bytes + static_bytes > props.shared_memory_per_block_optin:
+            return 0
+        return min(2, props.shared_memory_per_multiprocessor // (slice_bytes + 1024 + static_bytes))
+
+    assert ctas(0) == ctas(256), f"spatial {spatial} is too close to a limit of the block path"
+    return ctas(0)
 
 
 def expected_paths(shape, dtype):
@@ -66,22 +70,25 @@ def expected_paths(shape, dtype):
     paths = {SPLIT}
     if spatial <= WARP_MAX:
         paths.add(WARP)
-    if block_fits(spatial, dtype):
-        paths.add(BLOCK)
     if spatial % (4 if dtype == torch.float32 else 8) == 0:
         ctas = -(-spatial // CTA_CAPACITY[dtype])
         if ctas <= 16:
             paths.add(CLUSTER)
         if ctas <= torch.cuda.get_device_properties(0).multi_processor_count:
             paths.add(COOPERATIVE)
+    # Two CTAs per SM, or one where no resident path runs (kernels/instance_norm_forward.cu).
+    block_ctas = block_ctas_per_sm(spatial, dtype)
+    if block_ctas >= 2 or (block_ctas == 1 and not paths & {CLUSTER, COOPERATIVE}):
+        paths.add(BLOCK)
     return paths
 
 
 # Tiny slices (warp path), CTA-sized ones (block path), full and partly filled
 # clusters, one-CTA clusters, odd sizes, beyond cluster capacity in fp32 or in all
-# dtypes, 1d and 3d, 70,016 slices.
+# dtypes, 16-bit slices of 181 KB not made of whole vectors (the block path with one
+# CTA per SM), 1d and 3d, 70,016 slices.
 SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
-          (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 512, 512), (1, 3, 724, 724),
+          (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 301, 301), (2, 3, 512, 512), (1, 3, 724, 724),
           (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96), (1, 2, 64, 64, 64),
           (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4)]
 
@@ -240,6 +247,8 @@ def test_automatic_path_per_size(solution):
     assert chosen(8, 64, 160, 160, dtype=torch.bfloat16) == BLOCK
     assert chosen(8, 64, 224, 224) == CLUSTER  # 196 KB: one CTA per SM
     assert chosen(8, 64, 224, 224, dtype=torch.bfloat16) == BLOCK  # 98 KB
+    assert chosen(2, 3, 301, 301, dtype=torch.bfloat16) == BLOCK  # 181 KB, no resident path: one CTA per SM
+    assert chosen(2, 3, 301, 301) == SPLIT  # 362 KB
     assert chosen(1, 2, 1024, 1024) == COOPERATIVE  # 32 CTAs
     assert chosen(1, 2, 1024, 1024, dtype=torch.bfloat16) == CLUSTER
     assert chosen(1, 32, 128, 128, 128) == COOPERATIVE  # 64 CTAs
