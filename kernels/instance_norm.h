@@ -1,6 +1,7 @@
 // Host API of the InstanceNorm CUDA kernels (pure CUDA C++, no PyTorch types).
-// Forward: instance_norm_forward.cu (contiguous) and instance_norm_channels_last.cu;
-// backward: instance_norm_backward.cu.
+// Forward: instance_norm_forward.cu (the paths and their choice) and
+// instance_norm_split.cu (the split path, any layout, and the eval sweep); backward:
+// instance_norm_backward.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,7 +27,8 @@ enum class ForwardPath : int {
   kAuto = 0,
   // One CTA per slice, many slices per SM, the slice held in shared memory (read
   // once). Contiguous, any alignment and GPU, slices whose copy leaves room for two
-  // CTAs per SM (on an H200 up to 28,904 fp32 or 57,808 fp16/bf16 values).
+  // CTAs per SM (on an H200 up to 28,904 fp32 or 57,808 fp16/bf16 values), or for
+  // one where no cluster or cooperative team runs the slice.
   kBlock = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
   // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its

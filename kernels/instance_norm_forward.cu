@@ -410,10 +410,10 @@ cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
 
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
 
-// Slices that fit a warp take the warp path; larger ones the block path where its
-// copy in shared memory leaves room for two CTAs per SM (block_fits), then the
-// cluster path where it runs, else cooperative teams where the slice fits the
-// resident CTAs, else the block path with one CTA per SM where that fits, else the
+// Slices that fit a warp take the warp path; larger ones the block path where
+// block_fits (its copy in shared memory leaves room for two CTAs per SM, or for one
+// where no cluster or cooperative team runs the slice), else the cluster path where
+// it runs, else cooperative teams where the slice fits the resident CTAs, else the
 // split path.
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
