@@ -79,16 +79,17 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   }
 }
 
-// Block path: one CTA per slice (block_fits below says which), the slice held
-// in shared memory (spatial * sizeof(T) bytes, rounded up to 16, of dynamic shared
+// Block path: one CTA per slice (block_fits below says which), the slice held in
+// shared memory (spatial * sizeof(T) bytes, rounded up to 16, of dynamic shared
 // memory), so an SM holds as many slices at once as its shared memory and 2,048
 // threads allow (on an H200 three 64 KB fp32 or four 32 KB 16-bit slices of 16,384
-// values) and one CTA's reductions overlap the other CTAs' reads and writes. HBM is read once: 16-byte
-// cp.async copies where the slice starts 16-byte aligned, else scalar loads. Then
-// three passes over shared memory (16-byte reads of the whole vectors, scalar ones of
-// the fewer than 8 values after them): the sum of d, the M2 of d about its mean,
-// and y = d * scale + (bias - mean * scale), d = (x - shift) * k (SliceShift), as on
-// the resident paths. Grid-stride over slices, any alignment and GPU.
+// values) and one CTA's reductions overlap the other CTAs' reads and writes. HBM is
+// read once: 16-byte cp.async copies where the slice starts 16-byte aligned, else
+// scalar loads. Then three passes over shared memory (16-byte reads of the whole
+// vectors, scalar ones of the fewer than 8 values after them): the sum of d, the M2
+// of d about its mean, and y = d * scale + (bias - mean * scale), d = (x - shift) *
+// k (SliceShift), as on the resident paths. Grid-stride over slices, any alignment
+// and GPU.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardProblem p) {
   using S = Storage<T>;
