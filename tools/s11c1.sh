@@ -18,12 +18,12 @@ t() { echo "[$(( $(date +%s) - start )) s] $*"; }
 grep -c "ctas >= 1 ||" $S/v_one/kernels/instance_norm_forward.cu
 for v in v_main v_cl v_one; do INSTANCE_NORM_KERNELS=$S/$v/kernels python3 -c "import solution" > $OUT/build_$v.log 2>&1 & done
 wait; t builds; grep -il error $OUT/build_*.log
-timeout 140 python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=20 --tb=short 2>&1 | grep -E "passed|failed|FAILED|^E " | head -20 | tee $OUT/pytest_main.log
+timeout -k 10 140 python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=20 --tb=short 2>&1 | grep -E "passed|failed|FAILED|^E " | head -20 | tee $OUT/pytest_main.log
 t main tests
-(cd $S/v_cl && timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=20 --tb=short tests/test_gpu.py 2>&1 | grep -E "passed|failed|FAILED|^E " | head -20 | tee $OUT/pytest_cl.log)
+(cd $S/v_cl && timeout -k 10 120 python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=20 --tb=short tests/test_gpu.py 2>&1 | grep -E "passed|failed|FAILED|^E " | head -20 | tee $OUT/pytest_cl.log)
 t branch tests
 for tool in memcheck racecheck synccheck; do
-  (cd $S/v_cl && timeout 150 compute-sanitizer --tool $tool --kernel-name kns=instance_norm --error-exitcode 3 python3 tools/sanitize_paths.py > $OUT/sanitizer_$tool.log 2>&1) &
+  (cd $S/v_cl && timeout -k 10 150 compute-sanitizer --tool $tool --kernel-name kns=instance_norm --error-exitcode 3 python3 tools/sanitize_paths.py > $OUT/sanitizer_$tool.log 2>&1) &
 done
 wait
 for tool in memcheck racecheck synccheck; do echo "$tool: $(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' $OUT/sanitizer_$tool.log) clean, $(grep -c ': ok' $OUT/sanitizer_$tool.log) ok, $(grep -c WRONG $OUT/sanitizer_$tool.log) wrong"; grep -E "ERROR SUMMARY|HAZARD|rror" $OUT/sanitizer_$tool.log | head -3; done
