@@ -28,7 +28,10 @@ enum class ForwardPath : int {
   // One CTA per slice, many slices per SM, the slice held in shared memory (read
   // once). Contiguous, any alignment and GPU, slices whose copy leaves room for two
   // CTAs per SM (on an H200 up to 28,904 fp32 or 57,808 fp16/bf16 values), or for
-  // one where no cluster or cooperative team runs the slice.
+  // one where no cluster or cooperative team runs the slice. Channels-last: one CTA
+  // per tile of 8 fp32 or 16 fp16/bf16 channels of one image at every position, where
+  // the tile fits a CTA (on an H200 up to about 7,200 positions), num_channels is a
+  // multiple of the 16-byte vector and x and y are 16-byte aligned.
   kBlock = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
   // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its
@@ -40,9 +43,10 @@ enum class ForwardPath : int {
   // One warp per slice, many slices per CTA, the slice held in registers (read
   // once). Contiguous, spatial <= kWarpMaxSpatial, any alignment and GPU.
   kWarp = 3,
-  // Several CTAs per slice, any layout, size, alignment and GPU: partial statistics
-  // per chunk, a tiny kernel that combines them per slice, then a normalize sweep
-  // (two reads of x). Needs forward_workspace_bytes() of workspace.
+  // Several CTAs per slice, any layout, size, alignment and GPU (channels-last input
+  // where the block path does not take it): partial statistics per chunk, a tiny
+  // kernel that combines them per slice, then a normalize sweep (two reads of x).
+  // Needs forward_workspace_bytes() of workspace.
   kSplit = 4,
   // As kCluster, but the team of CTAs holding a slice is part of a cooperative
   // launch (all CTAs co-resident) and exchanges statistics through global memory:

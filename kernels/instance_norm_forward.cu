@@ -162,6 +162,131 @@ __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardPro
   }
 }
 
+// Block path, channels-last: one CTA per tile of one image n: V 16-byte vectors of
+// channels (V * kPer channels: 8 fp32 or 16 fp16/bf16 for V = 2) at all `spatial`
+// positions, held in shared memory as [spatial][V] vectors (a position's V vectors
+// are consecutive in x, 16 * V bytes; positions are num_channels values apart). The
+// last tile of an image may hold fewer vectors (`valid`). Thread t takes column
+// v = t % V, the same kPer channels in every sweep, at positions t / V + (THREADS / V) j.
+// Each channel's sums go through an xor butterfly over its column's lanes of a warp,
+// then the warps' totals in order through shared memory (a fixed order: run-to-run
+// identical). Statistics of d = (x - shift) * k per channel, shift = the slice's
+// value at position 0 (SliceShift), as on the other paths. Needs num_channels a
+// multiple of the vector (4 fp32 or 8 fp16/bf16 values) and 16-byte aligned x and y.
+template <typename T, int THREADS, int V>
+__global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channels_last_kernel(const ForwardProblem p) {
+  using S = Storage<T>;
+  constexpr int kPer = S::kPerVector;
+  constexpr int kWarps = THREADS / kWarpSize;
+  constexpr int kRowStride = THREADS / V;  // positions a column advances per step
+  static_assert(kWarpSize % V == 0, "a column's lanes are every V-th lane of a warp");
+  __shared__ float warp_totals[kWarps][V * kPer];
+  __shared__ float channel_totals[V * kPer];
+  extern __shared__ uint4 tile[];  // [spatial][V]
+  const int spatial = static_cast<int>(p.spatial);
+  const int64_t pixel_vectors = p.num_channels / kPer;  // 16-byte vectors per position
+  const int64_t tiles_per_image = (pixel_vectors + V - 1) / V;
+  const int64_t num_tiles = p.batch * tiles_per_image;
+  const int column = static_cast<int>(threadIdx.x % V);
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize);
+  const unsigned tile_base = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  // Every thread of the CTA calls this with its column's kPer partial sums; each gets
+  // back the CTA's totals of its column's channels.
+  const auto column_allreduce = [&](float (&values)[kPer]) {
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset >= V; offset /= 2) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) values[k] += __shfl_xor_sync(0xffffffffu, values[k], offset);
+    }
+    if (lane < V) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) warp_totals[warp][lane * kPer + k] = values[k];
+    }
+    __syncthreads();
+    if (threadIdx.x < V * kPer) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += warp_totals[w][threadIdx.x];
+      channel_totals[threadIdx.x] = total;
+    }
+    __syncthreads();  // also: every warp has read warp_totals before the next call rewrites it
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) values[k] = channel_totals[column * kPer + k];
+  };
+  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const int64_t n = t / tiles_per_image;
+    const int64_t first_vector = (t - n * tiles_per_image) * V;  // of each position's vectors
+    const bool active = column < pixel_vectors - first_vector;   // this column is in the tile
+    const uint4* tile_x = static_cast<const uint4*>(p.x) + n * spatial * pixel_vectors + first_vector + column;
+    uint4* tile_y = static_cast<uint4*>(p.y) + n * spatial * pixel_vectors + first_vector + column;
+    if (active) {
+      for (int s = static_cast<int>(threadIdx.x / V); s < spatial; s += kRowStride) {
+        cp_async_16<0>(tile_base + 16u * (s * V + column), tile_x + s * pixel_vectors);
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    SliceShift shift[kPer];
+    {
+      float first[kPer];
+      S::unpack(active ? tile[column] : make_uint4(0, 0, 0, 0), first);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) shift[k] = SliceShift::of(first[k]);
+    }
+    // f(x) for each of this thread's vectors of the tile, unpacked.
+    const auto for_each_vector = [&](auto f) {
+      if (!active) return;
+      for (int s = static_cast<int>(threadIdx.x / V); s < spatial; s += kRowStride) {
+        float values[kPer];
+        S::unpack(tile[s * V + column], values);
+        f(s, values);
+      }
+    };
+    float mean[kPer] = {};
+    for_each_vector([&](int, const float(&values)[kPer]) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) mean[k] += shift[k].apply(values[k]);
+    });
+    column_allreduce(mean);
+    float m2[kPer] = {};
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) mean[k] /= static_cast<float>(spatial);
+    for_each_vector([&](int, const float(&values)[kPer]) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const float deviation = shift[k].apply(values[k]) - mean[k];
+        m2[k] += deviation * deviation;
+      }
+    });
+    column_allreduce(m2);
+    // y = d * scale_d + offset per channel, as on the contiguous block path, computed as
+    // (x - shift) * (k * scale_d) + offset: the same rounding (d = k * (x - shift)
+    // rounded, k a power of two), three registers per channel instead of four (16-bit
+    // kernels spilled with four). x - shift overflows only for values above 1.7e38 of
+    // the other sign than the shift.
+    const int64_t first_slice = n * p.num_channels + (first_vector + column) * kPer;
+    float shift_value[kPer], scale[kPer], offset[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const float rstd = shift[k].rstd_of_d(m2[k], static_cast<float>(spatial), p.eps);
+      if (active && threadIdx.x < V) save_slice_stats(p, first_slice + k, shift[k].mean(mean[k]), shift[k].rstd(rstd));
+      const float2 affine = active ? slice_affine(p, first_slice + k) : make_float2(1.f, 0.f);
+      const float scale_d = rstd * affine.x;
+      offset[k] = affine.y - mean[k] * scale_d;
+      scale[k] = scale_d * shift[k].scale;
+      shift_value[k] = shift[k].value();
+    }
+    for_each_vector([&](int s, const float(&values)[kPer]) {
+      float out[kPer];
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(values[k] - shift_value[k], scale[k], offset[k]);
+      store_streaming(tile_y + s * pixel_vectors, S::pack(out));
+    });
+    __syncthreads();  // every thread has read the tile before the next one overwrites it
+  }
+}
+
 // Resident paths, persistent: kCluster (a thread-block cluster per slice, sm_90+)
 // and kCooperative (a team of CTAs of a cooperative launch, any size up to the
 // resident CTAs; common.cuh, teams). The grid holds as many teams of
@@ -350,37 +475,51 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
   });
 }
 
-// The block path's launch for a slice of `spatial` values of T (at most
-// kBlockMaxBytes): CTAs of 128, 256 or 512 threads, the largest that gives each
-// thread at least kBlockVectorsPerThread 16-byte vectors of the slice, so small slices
-// take many small CTAs per SM (up to 16 of 128 threads) and large ones up to 2,048
-// threads in three or four CTAs (docs/perf-notes.md #54 compares sizes); dynamic
-// shared memory for the slice, rounded up to 16 bytes.
+// The block path's launch: CTAs of 128, 256 or 512 threads, the largest that gives
+// each thread at least kBlockVectorsPerThread 16-byte vectors of its slice or tile, so
+// small slices take many small CTAs per SM (up to 16 of 128 threads) and large ones
+// up to 2,048 threads in three or four CTAs (docs/perf-notes.md #54 compares sizes);
+// dynamic shared memory for the slice (rounded up to 16 bytes) or the channels-last
+// tile (kChannelsLastTileVectors 16-byte vectors per position).
 struct BlockLaunch {
   void (*kernel)(const ForwardProblem);
   int threads;
   int shared_bytes;
 };
 constexpr int kBlockVectorsPerThread = 4;
+constexpr int kChannelsLastTileVectors = 2;  // 32-byte rows: 8 fp32 or 16 fp16/bf16 channels
 // Larger slices never take the block path (no GPU has this much shared memory per CTA).
 constexpr int64_t kBlockMaxBytes = 1 << 20;
 
+// Shared-memory bytes of the block path's slice or tile (at most kBlockMaxBytes + 15).
+int64_t block_bytes(const ForwardProblem& p) {
+  if (p.layout == Layout::kChannelsLast) return p.spatial * kChannelsLastTileVectors * 16;
+  return (p.spatial * element_bytes(p.dtype) + 15) / 16 * 16;
+}
+
 template <typename T>
-BlockLaunch block_launch_for(int64_t spatial) {
-  const int shared_bytes = static_cast<int>((spatial * static_cast<int64_t>(sizeof(T)) + 15) / 16 * 16);
-  const int64_t vectors = (spatial + Storage<T>::kPerVector - 1) / Storage<T>::kPerVector;
-  if (vectors >= 512 * kBlockVectorsPerThread) return {forward_block_kernel<T, 512>, 512, shared_bytes};
-  if (vectors >= 256 * kBlockVectorsPerThread) return {forward_block_kernel<T, 256>, 256, shared_bytes};
-  return {forward_block_kernel<T, 128>, 128, shared_bytes};
+BlockLaunch block_launch_for(const ForwardProblem& p) {
+  const int shared_bytes = static_cast<int>(block_bytes(p));
+  const int64_t vectors = shared_bytes / 16;
+  const auto launch = [&](auto threads) -> BlockLaunch {
+    constexpr int kThreads = decltype(threads)::value;
+    if (p.layout == Layout::kChannelsLast) {
+      return {forward_block_channels_last_kernel<T, kThreads, kChannelsLastTileVectors>, kThreads, shared_bytes};
+    }
+    return {forward_block_kernel<T, kThreads>, kThreads, shared_bytes};
+  };
+  if (vectors >= 512 * kBlockVectorsPerThread) return launch(cuda::std::integral_constant<int, 512>());
+  if (vectors >= 256 * kBlockVectorsPerThread) return launch(cuda::std::integral_constant<int, 256>());
+  return launch(cuda::std::integral_constant<int, 128>());
 }
 
 BlockLaunch block_launch(const ForwardProblem& p) {
   switch (p.dtype) {
-    case DType::kFloat16: return block_launch_for<__half>(p.spatial);
-    case DType::kBFloat16: return block_launch_for<__nv_bfloat16>(p.spatial);
+    case DType::kFloat16: return block_launch_for<__half>(p);
+    case DType::kBFloat16: return block_launch_for<__nv_bfloat16>(p);
     case DType::kFloat32: break;
   }
-  return block_launch_for<float>(p.spatial);
+  return block_launch_for<float>(p);
 }
 
 // The block path takes a contiguous slice (any alignment) whose shared-memory copy
@@ -391,11 +530,16 @@ BlockLaunch block_launch(const ForwardProblem& p) {
 // cooperative team, e.g. sm_86/89; or a slice not made of whole 16-byte vectors) the
 // block path still takes them with one CTA per SM, one read against the split path's
 // two. (One CTA per SM on this path also beat the cluster path on an H200:
-// docs/perf-notes.md #55.)
+// docs/perf-notes.md #55.) Channels-last input (no resident path reads it) takes the
+// block path wherever one tile fits a CTA (on an H200 up to about 7,200 positions), with
+// num_channels a multiple of the 16-byte vector and 16-byte aligned x and y.
 bool block_fits(const ForwardProblem& p) {
-  if (p.layout != Layout::kContiguous || p.spatial * element_bytes(p.dtype) > kBlockMaxBytes) return false;
+  if (block_bytes(p) > kBlockMaxBytes) return false;
   const BlockLaunch launch = block_launch(p);
   const int ctas = ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes);
+  if (p.layout == Layout::kChannelsLast) {
+    return ctas >= 1 && p.num_channels % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y);
+  }
   return ctas >= 2 || (ctas == 1 && !resident_supported(TeamKind::kCluster, p) &&
                        !resident_supported(TeamKind::kCooperative, p));
 }
@@ -403,7 +547,11 @@ bool block_fits(const ForwardProblem& p) {
 // Only after block_fits(p), which also raises the kernel's shared-memory limit.
 cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
   const BlockLaunch launch = block_launch(p);
-  launch.kernel<<<grid_for(p.num_slices(), 1), launch.threads, launch.shared_bytes, stream>>>(p);
+  const int64_t work = p.layout == Layout::kChannelsLast
+                           ? p.batch * ((p.num_channels / values_per_vector(p.dtype) + kChannelsLastTileVectors - 1) /
+                                        kChannelsLastTileVectors)
+                           : p.num_slices();
+  launch.kernel<<<grid_for(work, 1), launch.threads, launch.shared_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -415,10 +563,11 @@ static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest varian
 // block_fits (its copy in shared memory leaves room for two CTAs per SM, or for one
 // where no cluster or cooperative team runs the slice), else the cluster path where
 // it runs, else cooperative teams where the slice fits the resident CTAs, else the
-// split path.
+// split path. Channels-last input takes the block path where a tile fits a CTA, else
+// the split path.
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
-  if (problem.layout != Layout::kContiguous) return ForwardPath::kSplit;
+  if (problem.layout != Layout::kContiguous) return block_fits(problem) ? ForwardPath::kBlock : ForwardPath::kSplit;
   if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
   if (block_fits(problem)) return ForwardPath::kBlock;
   if (resident_supported(TeamKind::kCluster, problem)) return ForwardPath::kCluster;

@@ -117,9 +117,22 @@ def test_affine_matches_float64(solution, dtype, shape):
 
 
 # Channels-last inputs (torch.channels_last, channels_last_3d, and the 1d order):
-# read in place by the split path, output in the same layout.
+# read in place by the block path (tiles of 8 fp32 or 16 16-bit channels; 40
+# channels end in a partial tile) where num_channels is a multiple of the 16-byte
+# vector and a tile of every position fits a CTA, and always by the split path;
+# output in the same layout.
 CHANNELS_LAST_SHAPES = [(8, 256, 56, 56), (2, 3, 7, 7), (2, 40, 9, 9), (3, 64, 1000), (1, 32, 16, 16, 16),
-                        (2, 8, 300, 300)]
+                        (2, 8, 300, 300), (2, 24, 84, 84)]
+
+
+def channels_last_block_fits(shape, dtype):
+    """Whether the block path reads this channels-last shape: whole 16-byte vectors
+    of channels, and a tile of 32 bytes per position plus the kernel's static shared
+    memory (at most 1,088 bytes) within one CTA's shared memory."""
+    tile_bytes = 32 * math.prod(shape[2:])
+    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    assert not tile_bytes <= optin < tile_bytes + 1088, f"{shape} is too close to the block path's limit"
+    return shape[1] % (4 if dtype == torch.float32 else 8) == 0 and tile_bytes <= optin
 
 
 @pytest.mark.parametrize("shape", CHANNELS_LAST_SHAPES, ids=shape_id)
@@ -130,7 +143,8 @@ def test_channels_last_is_read_in_place(solution, shape, dtype):
     assert not x.is_contiguous()
     weight = torch.randn(shape[1], device="cuda")
     bias = torch.randn(shape[1], device="cuda")
-    assert check_paths(solution, x, weight, bias) == [SPLIT]
+    expected = [BLOCK, SPLIT] if channels_last_block_fits(shape, dtype) else [SPLIT]
+    assert check_paths(solution, x, weight, bias) == expected
     if x.dim() == 4:
         out = solution.InstanceNorm2d(shape[1])(x)
         assert out.is_contiguous(memory_format=torch.channels_last)
@@ -153,7 +167,8 @@ def test_misaligned_view_is_correct(solution):
         check_paths(solution, x)
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 512, 512), (2, 3, 37, 37), (2, 3, 6, 6), (1, 2, 1024, 1024)], ids=shape_id)
+@pytest.mark.parametrize("shape", [(2, 3, 512, 512), (2, 3, 37, 37), (2, 3, 6, 6), (1, 2, 1024, 1024), (2, 16, 37, 37)],
+                         ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_constant_slices_give_exact_zero(solution, shape, dtype):
     x = torch.full(shape, 1e10 if dtype != torch.float16 else 6e4, device="cuda").to(dtype)
@@ -193,7 +208,7 @@ def test_values_near_1e30_stay_finite_and_correct(solution, dtype):
     """Squares of values near 1e30 overflow fp32 (PyTorch gives NaN): every path and
     layout stays finite and matches float64, output and saved statistics."""
     torch.manual_seed(17)
-    for shape in ((2, 3, 512, 512), (4, 5, 20, 20), (2, 3, 45, 45), (1, 2, 1030, 1030)):
+    for shape in ((2, 3, 512, 512), (4, 5, 20, 20), (2, 3, 45, 45), (1, 2, 1030, 1030), (2, 16, 20, 20)):
         noise = torch.randn(shape, device="cuda")
         for x in ((noise * 1e30).to(dtype), ((1 + 0.1 * noise) * 1e30).to(dtype)):
             reference = float64_reference(x)
@@ -212,7 +227,7 @@ def test_values_near_1e30_stay_finite_and_correct(solution, dtype):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_nan_and_inf_stay_in_their_slice(solution, value):
-    for shape in ((2, 3, 256, 256), (2, 3, 9, 9), (1, 3, 1024, 1024)):
+    for shape in ((2, 3, 256, 256), (2, 3, 9, 9), (1, 3, 1024, 1024), (2, 16, 9, 9)):
         x = torch.randn(shape, device="cuda")
         x[1 if shape[0] > 1 else 0, 2, 5, 7] = value
         bad = torch.zeros(shape[:2], dtype=torch.bool)
@@ -254,7 +269,9 @@ def test_automatic_path_per_size(solution):
     assert chosen(1, 32, 128, 128, 128) == COOPERATIVE  # 64 CTAs
     assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
     assert chosen(1, 2, 1031, 1031) == SPLIT  # not a multiple of the vector
-    assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == SPLIT
+    assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == BLOCK  # 100 KB tiles
+    assert chosen(2, 3, 56, 56, memory_format=torch.channels_last) == SPLIT  # not whole vectors
+    assert chosen(2, 8, 128, 128, memory_format=torch.channels_last) == SPLIT  # 512 KB tiles
 
 
 def test_forced_path_that_cannot_run_is_refused(solution):
