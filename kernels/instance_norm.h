@@ -25,12 +25,12 @@ enum class Layout : int { kContiguous = 0, kChannelsLast = 1 };
 // (tests and bench.py use them to exercise and time every path).
 enum class ForwardPath : int {
   kAuto = 0,
-  // One CTA per slice, many slices per SM, the slice held in shared memory (read
-  // once). Contiguous, any alignment and GPU, slices whose copy leaves room for two
-  // CTAs per SM (on an H200 up to 28,904 fp32 or 57,808 fp16/bf16 values), or for
-  // one where no cluster or cooperative team runs the slice. Channels-last: one CTA
-  // per tile of 8 fp32 or 16 fp16/bf16 channels of one image at every position, where
-  // the tile fits a CTA (on an H200 up to about 7,200 positions), num_channels is a
+  // One CTA per slice, the slice held in shared memory (read once). Contiguous, any
+  // alignment and GPU, slices whose copy fits one CTA (on an H200 up to about 58,000
+  // fp32 or 116,000 fp16/bf16 values; two or more CTAs per SM up to 28,904 / 57,808
+  // values, one CTA per SM above). Channels-last: one CTA per tile of 8 fp32 or 16
+  // fp16/bf16 channels of one image at every position, where the tile fits a CTA (on
+  // an H200 up to about 7,200 positions; chosen up to 4,096), num_channels is a
   // multiple of the 16-byte vector and x and y are 16-byte aligned.
   kBlock = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up

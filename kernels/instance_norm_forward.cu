@@ -490,6 +490,12 @@ constexpr int kBlockVectorsPerThread = 4;
 constexpr int kChannelsLastTileVectors = 2;  // 32-byte rows: 8 fp32 or 16 fp16/bf16 channels
 // Larger slices never take the block path (no GPU has this much shared memory per CTA).
 constexpr int64_t kBlockMaxBytes = 1 << 20;
+// The largest channels-last tile the chooser gives the block path (it runs larger ones
+// when forced). One CTA per SM cannot overlap its tile's load, reductions and store:
+// on an H200 tiles of 7,056 positions (225 KB) took 0.93-1.47x the split path's time
+// (1.47x with four tiles), tiles of 2,304-4,096 positions (72-128 KB) 0.65-0.81x
+// (docs/perf-notes.md #59).
+constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
 
 // Shared-memory bytes of the block path's slice or tile (at most kBlockMaxBytes + 15).
 int64_t block_bytes(const ForwardProblem& p) {
@@ -522,26 +528,41 @@ BlockLaunch block_launch(const ForwardProblem& p) {
   return block_launch_for<float>(p);
 }
 
-// The block path takes a contiguous slice (any alignment) whose shared-memory copy
-// leaves room for two CTAs per SM on the current device, so that one CTA's
-// reductions overlap another's reads and writes: on an H200 up to about 113 KB,
-// 28,904 fp32 or 57,808 fp16/bf16 values. Larger slices take the cluster or
-// cooperative path where one runs; else (no cluster, too little shared memory for a
-// cooperative team, e.g. sm_86/89; or a slice not made of whole 16-byte vectors) the
-// block path still takes them with one CTA per SM, one read against the split path's
-// two. (One CTA per SM on this path also beat the cluster path on an H200:
-// docs/perf-notes.md #55.) Channels-last input (no resident path reads it) takes the
-// block path wherever one tile fits a CTA (on an H200 up to about 7,200 positions), with
-// num_channels a multiple of the 16-byte vector and 16-byte aligned x and y.
-bool block_fits(const ForwardProblem& p) {
-  if (block_bytes(p) > kBlockMaxBytes) return false;
+// Block-path CTAs that fit one SM at once (0 where the slice or tile does not fit a
+// CTA); also raises the kernel's shared-memory limit (ctas_per_sm).
+int block_ctas_per_sm(const ForwardProblem& p) {
+  if (block_bytes(p) > kBlockMaxBytes) return 0;
   const BlockLaunch launch = block_launch(p);
-  const int ctas = ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes);
-  if (p.layout == Layout::kChannelsLast) {
-    return ctas >= 1 && p.num_channels % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y);
+  return ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes);
+}
+
+// The block path runs a contiguous slice (any alignment) whose shared-memory copy
+// fits one CTA on the current device: on an H200 up to about 227 KB, 58,000 fp32 or
+// 116,000 fp16/bf16 values. It runs channels-last input where one tile fits a CTA (on
+// an H200 up to about 7,200 positions), num_channels is a multiple of the 16-byte
+// vector and x and y are 16-byte aligned.
+bool block_fits(const ForwardProblem& p) {
+  if (p.layout == Layout::kChannelsLast &&
+      (p.num_channels % values_per_vector(p.dtype) != 0 || !aligned16(p.x) || !aligned16(p.y))) {
+    return false;
   }
-  return ctas >= 2 || (ctas == 1 && !resident_supported(TeamKind::kCluster, p) &&
-                       !resident_supported(TeamKind::kCooperative, p));
+  return block_ctas_per_sm(p) >= 1;
+}
+
+// Where the chooser gives a slice the block path (measured on an H200,
+// docs/perf-notes.md #54, #55, #59). Slices whose copies leave room for two or more
+// CTAs per SM (up to about 113 KB: 28,904 fp32 or 57,808 16-bit values): one CTA's
+// reductions overlap another's reads and writes. Larger ones run one CTA per SM:
+// faster than a cluster of two or more CTAs (and than the split path's two reads),
+// slower than a resident team of one CTA, whose slice sits in registers (128 KB
+// 16-bit slices: 1.41x copy against the one-CTA cluster's 1.30x), so those keep
+// their team. Channels-last tiles up to kChannelsLastChosenMaxBytes.
+bool block_preferred(const ForwardProblem& p) {
+  if (!block_fits(p)) return false;
+  if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;
+  if (block_ctas_per_sm(p) >= 2) return true;
+  const bool resident = resident_supported(TeamKind::kCluster, p) || resident_supported(TeamKind::kCooperative, p);
+  return !resident || variant_for(kResidentVariants, p.dtype).team_size(p.spatial) > 1;
 }
 
 // Only after block_fits(p), which also raises the kernel's shared-memory limit.
@@ -560,16 +581,14 @@ cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
 
 // Slices that fit a warp take the warp path; larger ones the block path where
-// block_fits (its copy in shared memory leaves room for two CTAs per SM, or for one
-// where no cluster or cooperative team runs the slice), else the cluster path where
-// it runs, else cooperative teams where the slice fits the resident CTAs, else the
-// split path. Channels-last input takes the block path where a tile fits a CTA, else
-// the split path.
+// block_preferred, else the cluster path where it runs, else cooperative teams where
+// the slice fits the resident CTAs, else the split path. Channels-last input takes
+// the block path where block_preferred, else the split path.
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
-  if (problem.layout != Layout::kContiguous) return block_fits(problem) ? ForwardPath::kBlock : ForwardPath::kSplit;
+  if (problem.layout != Layout::kContiguous) return block_preferred(problem) ? ForwardPath::kBlock : ForwardPath::kSplit;
   if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
-  if (block_fits(problem)) return ForwardPath::kBlock;
+  if (block_preferred(problem)) return ForwardPath::kBlock;
   if (resident_supported(TeamKind::kCluster, problem)) return ForwardPath::kCluster;
   return resident_supported(TeamKind::kCooperative, problem) ? ForwardPath::kCooperative : ForwardPath::kSplit;
 }

@@ -47,21 +47,14 @@ WARP_MAX = 1024
 CTA_CAPACITY = {torch.float32: 512 * 64, torch.float16: 512 * 128, torch.bfloat16: 512 * 128}
 
 
-def block_ctas_per_sm(spatial, dtype):
-    """How many block-path CTAs, up to 2, fit one SM: each holds the slice's copy in
-    shared memory (rounded up to 16 bytes), the 1 KB the runtime reserves per CTA and
-    the kernel's static shared memory (under 256 bytes). That last term decides only
-    within 512 bytes of a limit; test shapes keep clear of those sizes."""
-    props = torch.cuda.get_device_properties(0)
+def block_fits(spatial, dtype):
+    """Whether a block-path CTA fits one SM: the slice's copy in shared memory (rounded
+    up to 16 bytes) and the kernel's static shared memory (under 256 bytes) within one
+    CTA's opt-in limit. Test shapes keep clear of that limit."""
     slice_bytes = -(-spatial * torch.finfo(dtype).bits // 8 // 16) * 16
-
-    def ctas(static_bytes):
-        if slice_bytes + static_bytes > props.shared_memory_per_block_optin:
-            return 0
-        return min(2, props.shared_memory_per_multiprocessor // (slice_bytes + 1024 + static_bytes))
-
-    assert ctas(0) == ctas(256), f"spatial {spatial} is too close to a limit of the block path"
-    return ctas(0)
+    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    assert not slice_bytes <= optin < slice_bytes + 256, f"spatial {spatial} is too close to the block path's limit"
+    return slice_bytes <= optin
 
 
 def expected_paths(shape, dtype):
@@ -76,19 +69,17 @@ def expected_paths(shape, dtype):
             paths.add(CLUSTER)
         if ctas <= torch.cuda.get_device_properties(0).multi_processor_count:
             paths.add(COOPERATIVE)
-    # Two CTAs per SM, or one where no resident path runs (kernels/instance_norm_forward.cu).
-    block_ctas = block_ctas_per_sm(spatial, dtype)
-    if block_ctas >= 2 or (block_ctas == 1 and not paths & {CLUSTER, COOPERATIVE}):
+    if block_fits(spatial, dtype):
         paths.add(BLOCK)
     return paths
 
 
 # Tiny slices (warp path), CTA-sized ones (block path), full and partly filled
 # clusters, one-CTA clusters, odd sizes, beyond cluster capacity in fp32 or in all
-# dtypes, 16-bit slices of 181 KB not made of whole vectors (the block path with one
-# CTA per SM), 1d and 3d, 70,016 slices.
+# dtypes, slices of 172-181 KB (the block path with one CTA per SM; 16-bit ones not
+# made of whole vectors), 1d and 3d, 70,016 slices.
 SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
-          (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 301, 301), (2, 3, 512, 512), (1, 3, 724, 724),
+          (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 210, 210), (2, 3, 301, 301), (2, 3, 512, 512), (1, 3, 724, 724),
           (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96), (1, 2, 64, 64, 64),
           (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4)]
 
@@ -260,9 +251,11 @@ def test_automatic_path_per_size(solution):
     assert chosen(2, 320, 128, 128) == BLOCK
     assert chosen(8, 64, 160, 160) == BLOCK  # 100 KB: two CTAs per SM
     assert chosen(8, 64, 160, 160, dtype=torch.bfloat16) == BLOCK
-    assert chosen(8, 64, 224, 224) == CLUSTER  # 196 KB: one CTA per SM
+    assert chosen(8, 64, 224, 224) == BLOCK  # 196 KB: one CTA per SM
     assert chosen(8, 64, 224, 224, dtype=torch.bfloat16) == BLOCK  # 98 KB
-    assert chosen(2, 3, 301, 301, dtype=torch.bfloat16) == BLOCK  # 181 KB, no resident path: one CTA per SM
+    assert chosen(4, 128, 256, 256, dtype=torch.bfloat16) == CLUSTER  # 128 KB: a one-CTA cluster beats one CTA per SM
+    assert chosen(4, 128, 256, 256) == CLUSTER  # 256 KB: no block-path CTA fits
+    assert chosen(2, 3, 301, 301, dtype=torch.bfloat16) == BLOCK  # 181 KB, not whole vectors: one CTA per SM
     assert chosen(2, 3, 301, 301) == SPLIT  # 362 KB
     assert chosen(1, 2, 1024, 1024) == COOPERATIVE  # 32 CTAs
     assert chosen(1, 2, 1024, 1024, dtype=torch.bfloat16) == CLUSTER
@@ -270,6 +263,8 @@ def test_automatic_path_per_size(solution):
     assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
     assert chosen(1, 2, 1031, 1031) == SPLIT  # not a multiple of the vector
     assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == BLOCK  # 100 KB tiles
+    assert chosen(1, 32, 16, 16, 16, memory_format=torch.channels_last_3d) == BLOCK  # 128 KB tiles
+    assert chosen(2, 24, 84, 84, memory_format=torch.channels_last) == SPLIT  # 225 KB tiles: split is faster
     assert chosen(2, 3, 56, 56, memory_format=torch.channels_last) == SPLIT  # not whole vectors
     assert chosen(2, 8, 128, 128, memory_format=torch.channels_last) == SPLIT  # 512 KB tiles
 
