@@ -15,8 +15,10 @@ affine or not, running statistics (training update and eval), contiguous or
 channels-last read in place, every spatial size; statistics in float32; forward
 and backward are torch.library custom ops with autograd, so torch.compile
 (fullgraph) and CUDA graphs work. CPU and float64 inputs go to PyTorch's own op.
-On Hopper, a slice of up to 524,288 values (e.g. 512 x 512) is normalized by a
-thread-block cluster that holds it in registers, so HBM is read once.
+Every path but the split path reads HBM once: a warp per slice up to 1,024 values,
+a CTA per slice in shared memory up to about 58,000 fp32 / 116,000 16-bit values on
+an H200, and on Hopper larger slices (up to 524,288 fp32 / 1,048,576 16-bit values,
+e.g. 512 x 512) held in registers by a thread-block cluster.
 """
 import hashlib
 import math

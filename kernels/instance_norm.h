@@ -28,10 +28,12 @@ enum class ForwardPath : int {
   // One CTA per slice, the slice held in shared memory (read once). Contiguous, any
   // alignment and GPU, slices whose copy fits one CTA (on an H200 up to about 58,000
   // fp32 or 116,000 fp16/bf16 values; two or more CTAs per SM up to 28,904 / 57,808
-  // values, one CTA per SM above). Channels-last: one CTA per tile of 8 fp32 or 16
-  // fp16/bf16 channels of one image at every position, where the tile fits a CTA (on
-  // an H200 up to about 7,200 positions; chosen up to 4,096), num_channels is a
-  // multiple of the 16-byte vector and x and y are 16-byte aligned.
+  // values, one CTA per SM above); chosen where two or more CTAs fit an SM, and above
+  // that unless a resident team of one CTA holds the slice (block_preferred).
+  // Channels-last: one CTA per tile of 8 fp32 or 16 fp16/bf16 channels of one image
+  // at every position, where the tile fits a CTA (on an H200 up to about 7,200
+  // positions; chosen up to 4,096), num_channels is a multiple of the 16-byte vector
+  // and x and y are 16-byte aligned.
   kBlock = 1,
   // Cluster-resident (sm_90+), persistent: the slice is split over a cluster of up
   // to 16 CTAs that hold it in registers, so HBM is read once; each CTA stages its

@@ -79,11 +79,12 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   }
 }
 
-// Block path: one CTA per slice (block_fits below says which), the slice held in
-// shared memory (spatial * sizeof(T) bytes, rounded up to 16, of dynamic shared
-// memory), so an SM holds as many slices at once as its shared memory and 2,048
-// threads allow (on an H200 three 64 KB fp32 or four 32 KB 16-bit slices of 16,384
-// values) and one CTA's reductions overlap the other CTAs' reads and writes. HBM is
+// Block path: one CTA per slice (block_fits below says where it runs, block_preferred
+// where the chooser takes it), the slice held in shared memory (spatial * sizeof(T)
+// bytes, rounded up to 16, of dynamic shared memory), so an SM holds as many slices
+// at once as its shared memory and 2,048 threads allow (on an H200 three 64 KB fp32
+// or four 32 KB 16-bit slices of 16,384 values; one above about 113 KB) and one CTA's
+// reductions overlap the other CTAs' reads and writes. HBM is
 // read once: 16-byte cp.async copies where the slice starts 16-byte aligned, else
 // scalar loads. Then three passes over shared memory (16-byte reads of the whole
 // vectors, scalar ones of the fewer than 8 values after them): the sum of d, the M2
@@ -478,7 +479,7 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
 // The block path's launch: CTAs of 128, 256 or 512 threads, the largest that gives
 // each thread at least kBlockVectorsPerThread 16-byte vectors of its slice or tile, so
 // small slices take many small CTAs per SM (up to 16 of 128 threads) and large ones
-// up to 2,048 threads in three or four CTAs (docs/perf-notes.md #54 compares sizes);
+// 512-thread CTAs, up to four per SM (docs/perf-notes.md #54 compares sizes);
 // dynamic shared memory for the slice (rounded up to 16 bytes) or the channels-last
 // tile (kChannelsLastTileVectors 16-byte vectors per position).
 struct BlockLaunch {
@@ -492,7 +493,7 @@ constexpr int kChannelsLastTileVectors = 2;  // 32-byte rows: 8 fp32 or 16 fp16/
 constexpr int64_t kBlockMaxBytes = 1 << 20;
 // The largest channels-last tile the chooser gives the block path (it runs larger ones
 // when forced). One CTA per SM cannot overlap its tile's load, reductions and store:
-// on an H200 tiles of 7,056 positions (225 KB) took 0.93-1.47x the split path's time
+// on an H200 tiles of 7,056 positions (220 KB) took 0.93-1.47x the split path's time
 // (1.47x with four tiles), tiles of 2,304-4,096 positions (72-128 KB) 0.65-0.81x
 // (docs/perf-notes.md #59).
 constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
@@ -554,9 +555,10 @@ bool block_fits(const ForwardProblem& p) {
 // CTAs per SM (up to about 113 KB: 28,904 fp32 or 57,808 16-bit values): one CTA's
 // reductions overlap another's reads and writes. Larger ones run one CTA per SM:
 // faster than a cluster of two or more CTAs (and than the split path's two reads),
-// slower than a resident team of one CTA, whose slice sits in registers (128 KB
-// 16-bit slices: 1.41x copy against the one-CTA cluster's 1.30x), so those keep
-// their team. Channels-last tiles up to kChannelsLastChosenMaxBytes.
+// slower than a resident team of one CTA, whose slice sits in registers, where there
+// are more slices than teams (512 128 KB 16-bit slices: 1.41x copy against the
+// one-CTA cluster's 1.30-1.33x), so those keep their team. (With one slice per SM or
+// fewer the block path won there too: #59, call 6; not used here yet.) Channels-last tiles up to kChannelsLastChosenMaxBytes.
 bool block_preferred(const ForwardProblem& p) {
   if (!block_fits(p)) return false;
   if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;

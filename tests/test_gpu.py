@@ -76,8 +76,8 @@ def expected_paths(shape, dtype):
 
 # Tiny slices (warp path), CTA-sized ones (block path), full and partly filled
 # clusters, one-CTA clusters, odd sizes, beyond cluster capacity in fp32 or in all
-# dtypes, slices of 172-181 KB (the block path with one CTA per SM; 16-bit ones not
-# made of whole vectors), 1d and 3d, 70,016 slices.
+# dtypes, slices of 172-177 KB (the block path with one CTA per SM; 301 x 301 in
+# 16-bit is not made of whole vectors), 1d and 3d, 70,016 slices (KB: 1,024 bytes).
 SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
           (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 210, 210), (2, 3, 301, 301), (2, 3, 512, 512), (1, 3, 724, 724),
           (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96), (1, 2, 64, 64, 64),
@@ -108,10 +108,11 @@ def test_affine_matches_float64(solution, dtype, shape):
 
 
 # Channels-last inputs (torch.channels_last, channels_last_3d, and the 1d order):
-# read in place by the block path (tiles of 8 fp32 or 16 16-bit channels; 40
-# channels end in a partial tile) where num_channels is a multiple of the 16-byte
-# vector and a tile of every position fits a CTA, and always by the split path;
-# output in the same layout.
+# the block path (tiles of 8 fp32 or 16 16-bit channels; 40 channels end in a
+# partial tile) runs them where num_channels is a multiple of the 16-byte vector and
+# a tile of every position fits a CTA (the chooser takes it up to 128 KB tiles:
+# test_automatic_path_per_size), the split path always; read in place, output in
+# the same layout.
 CHANNELS_LAST_SHAPES = [(8, 256, 56, 56), (2, 3, 7, 7), (2, 40, 9, 9), (3, 64, 1000), (1, 32, 16, 16, 16),
                         (2, 8, 300, 300), (2, 24, 84, 84)]
 
@@ -255,16 +256,19 @@ def test_automatic_path_per_size(solution):
     assert chosen(8, 64, 224, 224, dtype=torch.bfloat16) == BLOCK  # 98 KB
     assert chosen(4, 128, 256, 256, dtype=torch.bfloat16) == CLUSTER  # 128 KB: a one-CTA cluster beats one CTA per SM
     assert chosen(4, 128, 256, 256) == CLUSTER  # 256 KB: no block-path CTA fits
-    assert chosen(2, 3, 301, 301, dtype=torch.bfloat16) == BLOCK  # 181 KB, not whole vectors: one CTA per SM
-    assert chosen(2, 3, 301, 301) == SPLIT  # 362 KB
+    assert chosen(8, 64, 176, 176) == CLUSTER  # 121 KB fp32: a one-CTA cluster
+    assert chosen(2, 3, 301, 301, dtype=torch.bfloat16) == BLOCK  # 177 KB, not whole vectors: one CTA per SM
+    assert chosen(2, 3, 301, 301) == SPLIT  # 354 KB
     assert chosen(1, 2, 1024, 1024) == COOPERATIVE  # 32 CTAs
     assert chosen(1, 2, 1024, 1024, dtype=torch.bfloat16) == CLUSTER
     assert chosen(1, 32, 128, 128, 128) == COOPERATIVE  # 64 CTAs
     assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
     assert chosen(1, 2, 1031, 1031) == SPLIT  # not a multiple of the vector
-    assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == BLOCK  # 100 KB tiles
+    assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == BLOCK  # 98 KB tiles
     assert chosen(1, 32, 16, 16, 16, memory_format=torch.channels_last_3d) == BLOCK  # 128 KB tiles
-    assert chosen(2, 24, 84, 84, memory_format=torch.channels_last) == SPLIT  # 225 KB tiles: split is faster
+    assert chosen(2, 16, 64, 64, memory_format=torch.channels_last) == BLOCK  # 4,096 positions: 128 KB tiles
+    assert chosen(2, 16, 65, 65, memory_format=torch.channels_last) == SPLIT  # 4,225 positions: above 128 KB
+    assert chosen(2, 24, 84, 84, memory_format=torch.channels_last, dtype=torch.bfloat16) == SPLIT  # 220 KB: split faster
     assert chosen(2, 3, 56, 56, memory_format=torch.channels_last) == SPLIT  # not whole vectors
     assert chosen(2, 8, 128, 128, memory_format=torch.channels_last) == SPLIT  # 512 KB tiles
 

@@ -4,7 +4,7 @@
 
 Shapes cover the warp path, the block path (CTAs of 128 and 512 threads, 256 for the
 misaligned view; 45 x 45 slices start at every alignment; one CTA per SM on 210 x 210
-fp32 slices of 172 KB and 300 x 300 and 301 x 301 bf16 ones of 176-181 KB;
+fp32 slices of 172 KB and 300 x 300 and 301 x 301 bf16 ones of 176-177 KB;
 channels-last 24-channel tiles, the last partial in bf16, CTAs of 128 and 512
 threads), full and partly filled clusters, a 16-CTA cluster, odd sizes,
 more slices than resident teams (150 of 25,600 values: the backward's resident teams
