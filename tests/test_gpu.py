@@ -159,6 +159,18 @@ def test_misaligned_view_is_correct(solution):
         check_paths(solution, x)
 
 
+def test_misaligned_channels_last_view_takes_the_split_path(solution):
+    """A channels-last view starting one element into its storage: the block path
+    (16-byte vectors of channels) must refuse it; the split path is correct."""
+    torch.manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        storage = torch.randn(2 * 20 * 20 * 16 + 1, device="cuda").to(dtype)
+        x = storage[1:].view(2, 20, 20, 16).permute(0, 3, 1, 2)
+        assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16 != 0
+        assert check_paths(solution, x) == [SPLIT]
+        assert solution._EXT.chosen_path(x) == SPLIT
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 512, 512), (2, 3, 37, 37), (2, 3, 6, 6), (1, 2, 1024, 1024), (2, 16, 37, 37)],
                          ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
