@@ -84,13 +84,12 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 // bytes, rounded up to 16, of dynamic shared memory), so an SM holds as many slices
 // at once as its shared memory and 2,048 threads allow (on an H200 three 64 KB fp32
 // or four 32 KB 16-bit slices of 16,384 values; one above about 113 KB) and one CTA's
-// reductions overlap the other CTAs' reads and writes. HBM is
-// read once: 16-byte cp.async copies where the slice starts 16-byte aligned, else
-// scalar loads. Then three passes over shared memory (16-byte reads of the whole
-// vectors, scalar ones of the fewer than 8 values after them): the sum of d, the M2
-// of d about its mean, and y = d * scale + (bias - mean * scale), d = (x - shift) *
-// k (SliceShift), as on the resident paths. Grid-stride over slices, any alignment
-// and GPU.
+// reductions overlap the other CTAs' reads and writes. HBM is read once: 16-byte
+// cp.async copies where the slice starts 16-byte aligned, else scalar loads. Then
+// three passes over shared memory (16-byte reads of the whole vectors, scalar ones of
+// the fewer than 8 values after them): the sum of d, the M2 of d about its mean, and
+// y = d * scale + (bias - mean * scale), d = (x - shift) * k (SliceShift), as on the
+// resident paths. Grid-stride over slices, any alignment and GPU.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardProblem p) {
   using S = Storage<T>;
@@ -166,8 +165,8 @@ __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardPro
 // Block path, channels-last: one CTA per tile of one image n: V 16-byte vectors of
 // channels (V * kPer channels: 8 fp32 or 16 fp16/bf16 for V = 2) at all `spatial`
 // positions, held in shared memory as [spatial][V] vectors (a position's V vectors
-// are consecutive in x, 16 * V bytes; positions are num_channels values apart). The
-// last tile of an image may hold fewer vectors (`valid`). Thread t takes column
+// are consecutive in x, 16 * V bytes; positions are num_channels values apart). In
+// the last tile of an image, columns past num_channels are inactive. Thread t takes column
 // v = t % V, the same kPer channels in every sweep, at positions t / V + (THREADS / V) j.
 // Each channel's sums go through an xor butterfly over its column's lanes of a warp,
 // then the warps' totals in order through shared memory (a fixed order: run-to-run
@@ -537,18 +536,18 @@ int block_ctas_per_sm(const ForwardProblem& p) {
   return ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes);
 }
 
+// The block path's layout conditions: any contiguous input; channels-last with
+// num_channels a multiple of the 16-byte vector and 16-byte aligned x and y.
+bool block_input_supported(const ForwardProblem& p) {
+  return p.layout == Layout::kContiguous ||
+         (p.num_channels % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y));
+}
+
 // The block path runs a contiguous slice (any alignment) whose shared-memory copy
 // fits one CTA on the current device: on an H200 up to about 227 KB, 58,000 fp32 or
-// 116,000 fp16/bf16 values. It runs channels-last input where one tile fits a CTA (on
-// an H200 up to about 7,200 positions), num_channels is a multiple of the 16-byte
-// vector and x and y are 16-byte aligned.
-bool block_fits(const ForwardProblem& p) {
-  if (p.layout == Layout::kChannelsLast &&
-      (p.num_channels % values_per_vector(p.dtype) != 0 || !aligned16(p.x) || !aligned16(p.y))) {
-    return false;
-  }
-  return block_ctas_per_sm(p) >= 1;
-}
+// 116,000 fp16/bf16 values; and channels-last input (block_input_supported) where one
+// tile fits a CTA (on an H200 up to about 7,200 positions).
+bool block_fits(const ForwardProblem& p) { return block_input_supported(p) && block_ctas_per_sm(p) >= 1; }
 
 // Where the chooser gives a slice the block path (measured on an H200,
 // docs/perf-notes.md #54, #55, #59). Slices whose copies leave room for two or more
@@ -558,11 +557,13 @@ bool block_fits(const ForwardProblem& p) {
 // slower than a resident team of one CTA, whose slice sits in registers, where there
 // are more slices than teams (512 128 KB 16-bit slices: 1.41x copy against the
 // one-CTA cluster's 1.30-1.33x), so those keep their team. (With one slice per SM or
-// fewer the block path won there too: #59, call 6; not used here yet.) Channels-last tiles up to kChannelsLastChosenMaxBytes.
+// fewer the block path won there too, #59 call 6; the rule does not count slices
+// yet.) Channels-last tiles up to kChannelsLastChosenMaxBytes.
 bool block_preferred(const ForwardProblem& p) {
-  if (!block_fits(p)) return false;
+  const int ctas = block_input_supported(p) ? block_ctas_per_sm(p) : 0;
+  if (ctas == 0) return false;
   if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;
-  if (block_ctas_per_sm(p) >= 2) return true;
+  if (ctas >= 2) return true;
   const bool resident = resident_supported(TeamKind::kCluster, p) || resident_supported(TeamKind::kCooperative, p);
   return !resident || variant_for(kResidentVariants, p.dtype).team_size(p.spatial) > 1;
 }
