@@ -556,16 +556,25 @@ bool block_fits(const ForwardProblem& p) { return block_input_supported(p) && bl
 // faster than a cluster of two or more CTAs (and than the split path's two reads),
 // slower than a resident team of one CTA, whose slice sits in registers, where there
 // are more slices than teams (512 128 KB 16-bit slices: 1.41x copy against the
-// one-CTA cluster's 1.30-1.33x), so those keep their team. (With one slice per SM or
-// fewer the block path won there too, #59 call 6; the rule does not count slices
-// yet.) Channels-last tiles up to kChannelsLastChosenMaxBytes.
+// one-CTA cluster's 1.30-1.33x), so those keep their team unless the slices fit one
+// round of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes.
 bool block_preferred(const ForwardProblem& p) {
   const int ctas = block_input_supported(p) ? block_ctas_per_sm(p) : 0;
   if (ctas == 0) return false;
   if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;
   if (ctas >= 2) return true;
-  const bool resident = resident_supported(TeamKind::kCluster, p) || resident_supported(TeamKind::kCooperative, p);
-  return !resident || variant_for(kResidentVariants, p.dtype).team_size(p.spatial) > 1;
+  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
+  if (variant.team_size(p.spatial) > 1) return true;
+  // A one-CTA team wins only from its second round on, where its staging of the next
+  // slice overlaps the current one (perf notes #60, 121 KB fp32 slices, block against
+  // one-CTA cluster: 128 slices 0.0155 ms vs 0.0176, 256 slices 0.0271 vs 0.0259).
+  int64_t teams = 0;
+  if (resident_supported(TeamKind::kCluster, p)) {
+    teams = variant.active_clusters(1);
+  } else if (resident_supported(TeamKind::kCooperative, p)) {
+    teams = variant.resident_ctas();
+  }
+  return p.num_slices() <= teams || teams == 0;
 }
 
 // Only after block_fits(p), which also raises the kernel's shared-memory limit.
