@@ -305,11 +305,16 @@ class _ForwardFunction(torch.autograd.Function):
         y, mean, rstd = _EXT.forward_with_stats(input, weight, bias, eps)
         _forward_setup_context(ctx, (input, weight, bias, eps), (y, mean, rstd))
         ctx.mark_non_differentiable(mean, rstd)
+        # grad_mean and grad_rstd are never used: autograd then passes None for them
+        # instead of allocating and zero-filling two (N * C) tensors per backward.
+        ctx.set_materialize_grads(False)
         return y, mean, rstd
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output, grad_mean, grad_rstd):
+        if grad_output is None:
+            return None, None, None, None
         return _gradients(ctx, grad_output, _EXT.backward)
 
 
