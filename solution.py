@@ -20,6 +20,7 @@ a CTA per slice in shared memory up to about 58,000 fp32 / 116,000 16-bit values
 an H200, and on Hopper larger slices (up to 524,288 fp32 / 1,048,576 16-bit values,
 e.g. 512 x 512) held in registers by a thread-block cluster.
 """
+import functools
 import hashlib
 import math
 import os
@@ -308,6 +309,9 @@ class _ForwardFunction(torch.autograd.Function):
         # grad_mean and grad_rstd are never used: autograd then passes None for them
         # instead of allocating and zero-filling two (N * C) tensors per backward.
         ctx.set_materialize_grads(False)
+        # Without weight and bias no parameter gradient is asked for: the backward
+        # skips the per-channel reductions.
+        ctx.channel_sums = weight is not None or bias is not None
         return y, mean, rstd
 
     @staticmethod
@@ -315,7 +319,7 @@ class _ForwardFunction(torch.autograd.Function):
     def backward(ctx, grad_output, grad_mean, grad_rstd):
         if grad_output is None:
             return None, None, None, None
-        return _gradients(ctx, grad_output, _EXT.backward)
+        return _gradients(ctx, grad_output, functools.partial(_EXT.backward, channel_sums=ctx.channel_sums))
 
 
 @torch.library.custom_op("instance_norm_cuda::forward_eval", mutates_args=())

@@ -251,12 +251,13 @@ instance_norm::BackwardPath checked_backward_path(int64_t path) {
 // and device; mean, rstd: forward_with_stats's float32 (N * C) outputs; weight: None
 // or C values. Returns (grad_input in the input's dtype and layout, grad_weight,
 // grad_bias), the last two float32 (C): sums over n of the per-slice sum(dy * xhat)
-// and sum(dy), reduced in a fixed order (bit-identical run to run).
+// and sum(dy), reduced in a fixed order (bit-identical run to run); None for both
+// without channel_sums (no parameter needs them: two reductions less per call).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(const torch::Tensor& grad_output,
                                                                  const torch::Tensor& input, const torch::Tensor& mean,
                                                                  const torch::Tensor& rstd,
                                                                  const std::optional<torch::Tensor>& weight,
-                                                                 int64_t path) {
+                                                                 int64_t path, bool channel_sums) {
   check_input(input);
   const instance_norm::BackwardPath backward_path = checked_backward_path(path);
   const c10::cuda::CUDAGuard device_guard(input.device());
@@ -284,6 +285,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(const torch::Te
   problem.sum_dy_xhat = sum_dy_xhat.data_ptr<float>();
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
   C10_CUDA_CHECK(instance_norm::backward(problem, backward_path, current_stream(input.device())));
+  if (!channel_sums) return {grad_input, torch::Tensor(), torch::Tensor()};
   const auto per_channel = [&](const torch::Tensor& sums) { return sums.view({input.size(0), input.size(1)}).sum(0); };
   return {grad_input, per_channel(sum_dy_xhat), per_channel(sum_dy)};
 }
@@ -334,7 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("spatial"), py::arg("momentum"), py::arg("eps"));
   m.def("backward", &backward, "Gradient of forward_with_stats: (grad_input, grad_weight, grad_bias)",
         py::arg("grad_output"), py::arg("input"), py::arg("mean"), py::arg("rstd"), py::arg("weight") = py::none(),
-        py::arg("path") = 0);
+        py::arg("path") = 0, py::arg("channel_sums") = true);
   m.def("backward_path_supported", &backward_path_supported,
         "Whether backward(..., path) can run this input on its device", py::arg("input"), py::arg("path"));
   m.def("chosen_path", &chosen_path, "ForwardPath that path=0 takes for this input on its device", py::arg("input"));
