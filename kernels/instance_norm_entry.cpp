@@ -251,8 +251,9 @@ instance_norm::BackwardPath checked_backward_path(int64_t path) {
 // and device; mean, rstd: forward_with_stats's float32 (N * C) outputs; weight: None
 // or C values. Returns (grad_input in the input's dtype and layout, grad_weight,
 // grad_bias), the last two float32 (C): sums over n of the per-slice sum(dy * xhat)
-// and sum(dy), reduced in a fixed order (bit-identical run to run); None for both
-// without channel_sums (no parameter needs them: two reductions less per call).
+// and sum(dy), reduced in a fixed order (bit-identical run to run); without
+// channel_sums (no parameter needs them) both are undefined tensors, None in Python,
+// and the two reductions are skipped.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(const torch::Tensor& grad_output,
                                                                  const torch::Tensor& input, const torch::Tensor& mean,
                                                                  const torch::Tensor& rstd,
@@ -334,7 +335,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("update_running_stats", &update_running_stats, "PyTorch's running-statistics update, in place",
         py::arg("running_mean"), py::arg("running_var"), py::arg("mean"), py::arg("rstd"), py::arg("batch"),
         py::arg("spatial"), py::arg("momentum"), py::arg("eps"));
-  m.def("backward", &backward, "Gradient of forward_with_stats: (grad_input, grad_weight, grad_bias)",
+  m.def("backward", &backward,
+        "Gradient of forward_with_stats: (grad_input, grad_weight, grad_bias); the last two None without channel_sums",
         py::arg("grad_output"), py::arg("input"), py::arg("mean"), py::arg("rstd"), py::arg("weight") = py::none(),
         py::arg("path") = 0, py::arg("channel_sums") = true);
   m.def("backward_path_supported", &backward_path_supported,

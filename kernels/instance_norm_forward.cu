@@ -565,9 +565,11 @@ bool block_preferred(const ForwardProblem& p) {
   if (ctas >= 2) return true;
   const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
   if (variant.team_size(p.spatial) > 1) return true;
-  // A one-CTA team wins only from its second round on, where its staging of the next
-  // slice overlaps the current one (perf notes #60, 121 KB fp32 slices, block against
-  // one-CTA cluster: 128 slices 0.0155 ms vs 0.0176, 256 slices 0.0271 vs 0.0259).
+  // A one-CTA team gains from its later rounds, where its staging of the next slice
+  // overlaps the current one; measured, it overtakes one block CTA per SM between 1.45
+  // and 2 rounds, and the rule switches after one (perf notes #60, 121 KB fp32 slices,
+  // block against one-CTA cluster: 128 slices 0.0155 ms vs 0.0176, 192 slices 0.0236
+  // vs 0.0245, 256 slices 0.0271 vs 0.0259).
   int64_t teams = 0;
   if (resident_supported(TeamKind::kCluster, p)) {
     teams = variant.active_clusters(1);

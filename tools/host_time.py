@@ -42,7 +42,8 @@ def main():
         dy = torch.randn(shape, device="cuda")
         ours = per_call_ms(solution.ModelNew(shape[1]).cuda(), x, dy, args.calls)
         eager = per_call_ms(torch.nn.InstanceNorm2d(shape[1]).cuda(), x, dy, args.calls)
-        print(f"{shape}: ours host {ours[0]:.4f} wall {ours[1]:.4f} ms; eager host {eager[0]:.4f} wall {eager[1]:.4f} ms")
+        print(f"{shape}: ours host {ours[0]:.4f} wall {ours[1]:.4f} ms; "
+              f"eager host {eager[0]:.4f} wall {eager[1]:.4f} ms")
 
 
 if __name__ == "__main__":
