@@ -519,13 +519,14 @@ BlockLaunch block_launch_for(const ForwardProblem& p) {
   return launch(cuda::std::integral_constant<int, 128>());
 }
 
+// The block path's launch for p's dtype (kernel nullptr for none: then no CTA fits).
 BlockLaunch block_launch(const ForwardProblem& p) {
-  switch (p.dtype) {
-    case DType::kFloat16: return block_launch_for<__half>(p);
-    case DType::kBFloat16: return block_launch_for<__nv_bfloat16>(p);
-    case DType::kFloat32: break;
-  }
-  return block_launch_for<float>(p);
+  BlockLaunch launch{nullptr, 0, 0};
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    launch = block_launch_for<decltype(tag)>(p);
+    return cudaSuccess;
+  });
+  return launch;
 }
 
 // Block-path CTAs that fit one SM at once (0 where the slice or tile does not fit a
