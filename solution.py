@@ -284,8 +284,9 @@ def _gradients(ctx, grad_output, backward):
     is differentiable: mean and rstd are saved statistics."""
     input, weight, mean, rstd = ctx.saved_tensors
     grad_input, grad_weight, grad_bias = backward(_like_layout(grad_output, input), input, mean, rstd, weight)
-    return (grad_input, None if weight is None else grad_weight.to(weight.dtype),
-            None if ctx.bias_dtype is None else grad_bias.to(ctx.bias_dtype), None)
+    # None where no parameter was given, or (eager) none needed a gradient.
+    return (grad_input, None if weight is None or grad_weight is None else grad_weight.to(weight.dtype),
+            None if ctx.bias_dtype is None or grad_bias is None else grad_bias.to(ctx.bias_dtype), None)
 
 
 def _forward_backward(ctx, grad_output, grad_mean, grad_rstd):
@@ -309,9 +310,9 @@ class _ForwardFunction(torch.autograd.Function):
         # grad_mean and grad_rstd are never used: autograd then passes None for them
         # instead of allocating and zero-filling two (N * C) tensors per backward.
         ctx.set_materialize_grads(False)
-        # Without weight and bias no parameter gradient is asked for: the backward
-        # skips the per-channel reductions.
-        ctx.channel_sums = weight is not None or bias is not None
+        # Where neither weight nor bias needs a gradient (none given, or frozen:
+        # requires_grad=False) the backward skips the per-channel reductions.
+        ctx.channel_sums = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         return y, mean, rstd
 
     @staticmethod

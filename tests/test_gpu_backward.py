@@ -229,3 +229,24 @@ def test_eager_backward_fills_no_zero_gradients(solution):
     assert "aten::sum" not in names, "no parameter needs the per-channel sums"
     expected = torch.autograd.grad(nn.InstanceNorm2d(64).cuda()(x), x, dy)[0]
     assert torch.allclose(grad, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_frozen_affine_parameters_skip_the_channel_sums(solution):
+    """weight and bias given but frozen (requires_grad=False): the eager backward
+    reduces no per-channel sums, and grad_input is still that of the affine
+    normalization (weight scales it)."""
+    torch.manual_seed(17)
+    x = torch.randn(2, 16, 24, 24, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+    model = solution.ModelNew(16, affine=True).cuda()
+    with torch.no_grad():
+        model.weight.uniform_(0.5, 1.5)
+        model.bias.uniform_(-1.0, 1.0)
+    model.requires_grad_(False)
+    y = model(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        (grad,) = torch.autograd.grad(y, x, dy)
+    assert "aten::sum" not in {event.key for event in profile.key_averages()}
+    expected = float64_gradients(x, dy, model.weight, model.bias)[0]
+    assert_close_scaled(grad, expected, 1e-4, "dx")
+    assert model.weight.grad is None and model.bias.grad is None

@@ -2,7 +2,9 @@
 module's output), ModelNew against nn.InstanceNorm2d, on small shapes where the host
 side decides the speed of a training loop (docs/perf-notes.md #63, #64).
 
-    python tools/host_time.py [--calls 200]
+    python tools/host_time.py [--calls 200] [--frozen-affine]
+
+--frozen-affine: both modules affine, with weight and bias frozen (requires_grad=False).
 
 Host time: the loop's time before the final synchronize (what the Python side and the
 launches cost per call); wall: after it. Needs a CUDA GPU.
@@ -36,12 +38,16 @@ def per_call_ms(module, x, dy, calls):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200, help="timed calls per shape and module")
+    parser.add_argument("--frozen-affine", action="store_true", help="affine modules with frozen weight and bias")
     args = parser.parse_args()
     for shape in SHAPES:
         x = torch.randn(shape, device="cuda", requires_grad=True)
         dy = torch.randn(shape, device="cuda")
-        ours = per_call_ms(solution.ModelNew(shape[1]).cuda(), x, dy, args.calls)
-        eager = per_call_ms(torch.nn.InstanceNorm2d(shape[1]).cuda(), x, dy, args.calls)
+        modules = [solution.ModelNew(shape[1], affine=args.frozen_affine).cuda(),
+                   torch.nn.InstanceNorm2d(shape[1], affine=args.frozen_affine).cuda()]
+        for module in modules:
+            module.requires_grad_(False)
+        ours, eager = (per_call_ms(module, x, dy, args.calls) for module in modules)
         print(f"{shape}: ours host {ours[0]:.4f} wall {ours[1]:.4f} ms; "
               f"eager host {eager[0]:.4f} wall {eager[1]:.4f} ms")
 
