@@ -310,9 +310,6 @@ class _ForwardFunction(torch.autograd.Function):
         # grad_mean and grad_rstd are never used: autograd then passes None for them
         # instead of allocating and zero-filling two (N * C) tensors per backward.
         ctx.set_materialize_grads(False)
-        # Where neither weight nor bias needs a gradient (none given, or frozen:
-        # requires_grad=False) the backward skips the per-channel reductions.
-        ctx.channel_sums = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         return y, mean, rstd
 
     @staticmethod
@@ -320,7 +317,10 @@ class _ForwardFunction(torch.autograd.Function):
     def backward(ctx, grad_output, grad_mean, grad_rstd):
         if grad_output is None:
             return None, None, None, None
-        return _gradients(ctx, grad_output, functools.partial(_EXT.backward, channel_sums=ctx.channel_sums))
+        # Where neither weight nor bias needs a gradient (none given, or frozen:
+        # requires_grad=False) the backward skips the per-channel reductions.
+        channel_sums = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        return _gradients(ctx, grad_output, functools.partial(_EXT.backward, channel_sums=channel_sums))
 
 
 @torch.library.custom_op("instance_norm_cuda::forward_eval", mutates_args=())
