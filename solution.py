@@ -36,8 +36,9 @@ import torch.utils.cpp_extension
 from torch.autograd.function import once_differentiable
 from torch.utils.cpp_extension import load_inline
 
-_HEADER_FILES = ("common.cuh", "instance_norm.h", "split.h")
-_CUDA_FILES = ("instance_norm_forward.cu", "instance_norm_split.cu", "instance_norm_backward.cu")
+_HEADER_FILES = ("common.cuh", "instance_norm.h", "pipelined.h", "split.h")
+_CUDA_FILES = ("instance_norm_forward.cu", "instance_norm_pipelined.cu", "instance_norm_split.cu",
+               "instance_norm_backward.cu")
 _CPP_FILES = ("instance_norm_entry.cpp",)
 _KERNEL_FILES = _HEADER_FILES + _CUDA_FILES + _CPP_FILES
 # A bundle (python solution.py --bundle PATH) sets this to {file name: source text}

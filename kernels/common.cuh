@@ -400,6 +400,21 @@ struct BlockAllReduce {
 template <int THREADS>
 using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 
+// Per-channel affine of slice `slice` of a forward problem: y = (x - mean) * rstd *
+// weight + bias.
+__device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
+  const int64_t channel = slice % p.num_channels;
+  return make_float2(p.weight != nullptr ? __ldg(p.weight + channel) : 1.f,
+                     p.bias != nullptr ? __ldg(p.bias + channel) : 0.f);
+}
+
+// The slice's mean and rstd (in x's units), to the forward's optional outputs;
+// called by one thread per slice.
+__device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_t slice, float mean, float rstd) {
+  if (p.mean != nullptr) p.mean[slice] = mean;
+  if (p.rstd != nullptr) p.rstd[slice] = rstd;
+}
+
 // ---- teams: the CTAs that hold one slice between them on the resident paths ----
 //
 // A team's CTAs each reduce their threads' values (cub::BlockReduce) and exchange
@@ -588,6 +603,12 @@ inline int element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2;
 
 // Values of `dtype` per 16-byte vector: 4 fp32 or 8 fp16/bf16.
 inline int values_per_vector(DType dtype) { return 16 / element_bytes(dtype); }
+
+// Whether a forward problem's slices are whole 16-byte vectors at 16-byte aligned x
+// and y (the resident and pipelined paths' loads and stores).
+inline bool vector_aligned(const ForwardProblem& p) {
+  return p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y);
+}
 
 // Launch configuration of `num_ctas` CTAs of `threads` threads with
 // `shared_bytes` of dynamic shared memory and one launch attribute, which must

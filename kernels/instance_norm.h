@@ -56,8 +56,15 @@ enum class ForwardPath : int {
   // 128^3 fp32 on 64 CTAs), any GPU with room for the staged slice. Needs
   // forward_workspace_bytes() of workspace.
   kCooperative = 5,
+  // Cooperative teams as kCooperative, pipelined (sm_90+): each CTA keeps its part of
+  // a slice in shared memory for three rounds, so the team's statistics of a slice
+  // are used two rounds after they are published and the exchange never stalls the
+  // reads and writes. Contiguous, slices of up to (resident CTAs) * 16,384 fp32 or
+  // 32,768 fp16/bf16 values, spatial a multiple of the 16-byte vector, 16-byte
+  // aligned x and y. Needs forward_workspace_bytes() of workspace.
+  kPipelined = 6,
 };
-constexpr int kNumForwardPaths = 6;
+constexpr int kNumForwardPaths = 7;
 constexpr int64_t kWarpMaxSpatial = 1024;
 
 // y[n, c, s] = (x[n, c, s] - mean) * rstd * weight[c] + bias[c], rstd = 1 / sqrt(var + eps),

@@ -4,6 +4,7 @@
 // path and the eval-mode sweep are in instance_norm_split.cu).
 #include "common.cuh"
 #include "instance_norm.h"
+#include "pipelined.h"
 #include "split.h"
 
 #include <algorithm>
@@ -13,20 +14,6 @@ namespace instance_norm {
 // load_inline compiles all .cu sources as one translation unit: each file keeps
 // its internals in its own namespace.
 namespace forward_detail {
-
-// Per-channel affine of slice `slice`: y = (x - mean) * rstd * weight + bias.
-__device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
-  const int64_t channel = slice % p.num_channels;
-  return make_float2(p.weight != nullptr ? __ldg(p.weight + channel) : 1.f,
-                     p.bias != nullptr ? __ldg(p.bias + channel) : 0.f);
-}
-
-// The slice's mean and rstd (in x's units), to the optional outputs; called by one
-// thread per slice.
-__device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_t slice, float mean, float rstd) {
-  if (p.mean != nullptr) p.mean[slice] = mean;
-  if (p.rstd != nullptr) p.rstd[slice] = rstd;
-}
 
 // Warp path, for slices of at most kWarpMaxSpatial values: a warp per slice, 16
 // warps per CTA, grid-stride over slices, any alignment and GPU. Lane l holds
@@ -451,10 +438,6 @@ constexpr ResidentVariant<ForwardProblem> kResidentVariants[] = {
     resident_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
 };
 
-bool vector_aligned(const ForwardProblem& p) {
-  return p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.y);
-}
-
 bool resident_supported(TeamKind team, const ForwardProblem& p) {
   const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
   return p.layout == Layout::kContiguous && vector_aligned(p) &&
@@ -580,6 +563,22 @@ bool block_preferred(const ForwardProblem& p) {
   return p.num_slices() <= teams || teams == 0;
 }
 
+// Where slices exceed a cluster, the pipelined path in fp32 where it keeps at least as
+// many SMs busy as cooperative teams and each team takes at least
+// kPipelinedMinRounds slices (its first three rounds only read, its last three only
+// write). On an H200 it ran fp32 (1, 32, 128^3), (4, 16, 1024^2) and (8, 8, 1448^2)
+// (32, 32 and 64 rounds) at 1.09-1.13x the copy against the cooperative path's
+// 1.39-1.47x; 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
+// cooperative path (docs/perf-notes.md #75). Fewer rounds were not measured.
+constexpr int64_t kPipelinedMinRounds = 16;
+bool pipelined_preferred(const ForwardProblem& p) {
+  if (p.dtype != DType::kFloat32 || !resident_supported(TeamKind::kCooperative, p)) return false;
+  const PipelinedPlan plan = pipelined_plan(p);
+  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
+  return plan.teams > 0 && plan.rounds >= kPipelinedMinRounds &&
+         plan.teams * plan.team_size >= variant.cooperative_teams(p) * variant.team_size(p.spatial);
+}
+
 // Only after block_fits(p), which also raises the kernel's shared-memory limit.
 cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
   const BlockLaunch launch = block_launch(p);
@@ -596,15 +595,17 @@ cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
 
 // Slices that fit a warp take the warp path; larger ones the block path where
-// block_preferred, else the cluster path where it runs, else cooperative teams where
-// the slice fits the resident CTAs, else the split path. Channels-last input takes
-// the block path where block_preferred, else the split path.
+// block_preferred, else the cluster path where it runs, else the pipelined path where
+// pipelined_preferred, else cooperative teams where the slice fits the resident CTAs,
+// else the split path. Channels-last input takes the block path where
+// block_preferred, else the split path.
 ForwardPath choose_forward_path(const ForwardProblem& problem) {
   using namespace forward_detail;
   if (problem.layout != Layout::kContiguous) return block_preferred(problem) ? ForwardPath::kBlock : ForwardPath::kSplit;
   if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
   if (block_preferred(problem)) return ForwardPath::kBlock;
   if (resident_supported(TeamKind::kCluster, problem)) return ForwardPath::kCluster;
+  if (pipelined_preferred(problem)) return ForwardPath::kPipelined;
   return resident_supported(TeamKind::kCooperative, problem) ? ForwardPath::kCooperative : ForwardPath::kSplit;
 }
 
@@ -618,6 +619,7 @@ bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
     case ForwardPath::kCooperative: return resident_supported(TeamKind::kCooperative, problem);
     case ForwardPath::kWarp: return contiguous && problem.spatial <= kWarpMaxSpatial;
     case ForwardPath::kSplit: return split_supported(problem);
+    case ForwardPath::kPipelined: return pipelined_plan(problem).teams > 0;
   }
   return false;
 }
@@ -629,6 +631,7 @@ size_t forward_workspace_bytes(const ForwardProblem& problem, ForwardPath path) 
   if (path == ForwardPath::kCooperative) {
     return variant_for(kResidentVariants, problem.dtype).cooperative_workspace_bytes(problem);
   }
+  if (path == ForwardPath::kPipelined) return pipelined_workspace_bytes(problem);
   return 0;
 }
 
@@ -642,6 +645,7 @@ cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_
   switch (path) {
     case ForwardPath::kBlock: return launch_block(problem, stream);
     case ForwardPath::kWarp: return launch_warp(problem, stream);
+    case ForwardPath::kPipelined: return launch_pipelined(problem, stream);
     case ForwardPath::kCooperative:
       return variant_for(kResidentVariants, problem.dtype).launch_cooperative(problem, stream);
     default: return variant_for(kResidentVariants, problem.dtype).launch_cluster(problem, stream);

@@ -41,12 +41,13 @@ SPILL_ALLOWANCE = {r"(forward|backward)_resident_kernelI(6__half|13__nv_bfloat16
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm_90a", "sm_80"])
-@pytest.mark.parametrize("source", ["instance_norm_forward.cu", "instance_norm_split.cu", "instance_norm_backward.cu"])
+@pytest.mark.parametrize("source", ["instance_norm_forward.cu", "instance_norm_pipelined.cu", "instance_norm_split.cu",
+                                    "instance_norm_backward.cu"])
 def test_kernels_do_not_spill(solution, source, capability, tmp_path):
     """ptxas reports no spills and no stack frame for every kernel but the bounded
     SPILL_ALLOWANCE (sm_90a); the sources also build for sm_80 (A100), where the cluster
-    kernels and the backward's resident kernels compile to empty bodies and the
-    other paths run."""
+    kernels, the pipelined kernels and the backward's resident kernels compile to
+    empty bodies and the other paths run."""
     assert source in solution._CUDA_FILES
     result = subprocess.run(
         [nvcc(), "-c", "-O3", "-std=c++17", solution._gencode(capability), "-Xptxas", "-v",

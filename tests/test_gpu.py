@@ -6,8 +6,8 @@ import torch
 
 import math
 
-from reference import (BLOCK, CLUSTER, COOPERATIVE, DTYPES, FORWARD_PATHS, SPLIT, TOLERANCE, WARP, channels_last,
-                       float64_reference, float64_stats, run_poisoned)
+from reference import (BLOCK, CLUSTER, COOPERATIVE, DTYPES, FORWARD_PATHS, PIPELINED, SPLIT, TOLERANCE, WARP,
+                       channels_last, float64_reference, float64_stats, run_poisoned)
 
 pytestmark = pytest.mark.gpu
 
@@ -45,6 +45,8 @@ def check_paths(solution, x, weight=None, bias=None, expect_paths=None):
 # needs spatial to be a multiple of the 16-byte vector (4 fp32, 8 fp16/bf16 values).
 WARP_MAX = 1024
 CTA_CAPACITY = {torch.float32: 512 * 64, torch.float16: 512 * 128, torch.bfloat16: 512 * 128}
+# The pipelined path's part of a slice per CTA: 512 threads x 8 16-byte vectors.
+PIPELINED_CTA_CAPACITY = {torch.float32: 512 * 32, torch.float16: 512 * 64, torch.bfloat16: 512 * 64}
 
 
 def block_fits(spatial, dtype):
@@ -69,6 +71,8 @@ def expected_paths(shape, dtype):
             paths.add(CLUSTER)
         if ctas <= torch.cuda.get_device_properties(0).multi_processor_count:
             paths.add(COOPERATIVE)
+        if -(-spatial // PIPELINED_CTA_CAPACITY[dtype]) <= torch.cuda.get_device_properties(0).multi_processor_count:
+            paths.add(PIPELINED)
     if block_fits(spatial, dtype):
         paths.add(BLOCK)
     return paths
@@ -77,11 +81,15 @@ def expected_paths(shape, dtype):
 # Tiny slices (warp path), CTA-sized ones (block path), full and partly filled
 # clusters, one-CTA clusters, odd sizes, beyond cluster capacity in fp32 or in all
 # dtypes, slices of 172-177 KB (the block path with one CTA per SM; 301 x 301 in
-# 16-bit is not made of whole vectors), 1d and 3d, 70,016 slices (KB: 1,024 bytes).
+# 16-bit is not made of whole vectors), 1d and 3d, 70,016 slices (KB: 1,024 bytes);
+# pipelined teams over more rounds than their totals rotate through (8): 797 slices of
+# 20,000 (fp32: two CTAs per slice, the second partly filled, 66 teams of up to 13
+# rounds) and 128 slices of 64^3 (fp32: 8 teams of 16 CTAs, 16 rounds).
 SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
           (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 210, 210), (2, 3, 301, 301), (2, 3, 512, 512),
           (1, 3, 724, 724), (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96),
-          (1, 2, 64, 64, 64), (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4)]
+          (1, 2, 64, 64, 64), (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4), (1, 797, 100, 200),
+          (2, 64, 64, 64, 64)]
 
 
 def shape_id(shape):
@@ -155,7 +163,7 @@ def test_misaligned_view_is_correct(solution):
     for spatial, dtype in (((64, 64), torch.float32), ((40, 40), torch.bfloat16), ((600, 600), torch.float16)):
         storage = torch.randn(2 * 3 * spatial[0] * spatial[1] + 1, device="cuda").to(dtype)
         x = storage[1:].view(2, 3, *spatial)
-        assert x.data_ptr() % 16 != 0 and not {CLUSTER, COOPERATIVE} & set(paths_for(solution, x))
+        assert x.data_ptr() % 16 != 0 and not {CLUSTER, COOPERATIVE, PIPELINED} & set(paths_for(solution, x))
         check_paths(solution, x)
 
 
@@ -274,7 +282,11 @@ def test_automatic_path_per_size(solution):
     assert chosen(2, 3, 301, 301) == SPLIT  # 354 KB
     assert chosen(1, 2, 1024, 1024) == COOPERATIVE  # 32 CTAs
     assert chosen(1, 2, 1024, 1024, dtype=torch.bfloat16) == CLUSTER
-    assert chosen(1, 32, 128, 128, 128) == COOPERATIVE  # 64 CTAs
+    assert chosen(1, 32, 128, 128, 128) == PIPELINED  # one team of 128 CTAs, 32 rounds
+    assert chosen(4, 16, 1024, 1024) == PIPELINED  # two teams of 64, 32 rounds
+    assert chosen(1, 32, 128, 128, 128, dtype=torch.bfloat16) == COOPERATIVE  # 16-bit: the cooperative path
+    assert chosen(1, 8, 128, 128, 128) == COOPERATIVE  # 8 rounds: fewer than kPipelinedMinRounds
+    assert chosen(1, 32, 768, 1024) == COOPERATIVE  # pipelined: 2 teams of 48 CTAs busy, cooperative: 5 of 24
     assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
     assert chosen(1, 2, 1031, 1031) == SPLIT  # not a multiple of the vector
     assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == BLOCK  # 98 KB tiles
@@ -292,6 +304,8 @@ def test_forced_path_that_cannot_run_is_refused(solution):
         solution._EXT.forward(x, path=CLUSTER)
     with pytest.raises(RuntimeError, match="cannot run"):
         solution._EXT.forward(torch.rand(1, 1, 4096, 4096, device="cuda"), path=COOPERATIVE)
+    with pytest.raises(RuntimeError, match="cannot run"):
+        solution._EXT.forward(torch.rand(1, 1, 4096, 4096, device="cuda"), path=PIPELINED)
     with pytest.raises(RuntimeError, match="cannot run"):
         solution._EXT.forward(x, path=WARP)
     with pytest.raises(RuntimeError, match="cannot run"):

@@ -1,0 +1,307 @@
+// InstanceNorm forward, pipelined path: cooperative teams of CTAs that take their
+// slices one after another and use a slice's statistics three rounds after taking
+// them, so the team exchange never stalls the reads and writes (docs/perf-notes.md
+// #73-#75).
+#include "common.cuh"
+#include "instance_norm.h"
+#include "pipelined.h"
+
+#include <algorithm>
+
+namespace instance_norm {
+// load_inline compiles all .cu sources as one translation unit: each file keeps
+// its internals in its own namespace.
+namespace pipelined_detail {
+
+constexpr int kDataThreads = 512;
+constexpr int kVectors = 8;  // 16-byte vectors of a slice per data thread
+// A thread's part of round j's slice stays in shared memory until round j + kLag.
+constexpr int kLag = 3;
+// Rounds whose CTA totals are in the workspace at once (see the kernel's comment).
+constexpr int kTotalRounds = 8;
+constexpr int kSlotBytes = kDataThreads * kVectors * 16;
+
+// Bytes of the workspace before the totals: kTotalRounds arrival counters per team,
+// rounded up to 16 bytes.
+__host__ __device__ inline size_t counter_bytes(int64_t teams) {
+  return static_cast<size_t>((teams * kTotalRounds * sizeof(unsigned) + 15) / 16 * 16);
+}
+
+// y = (x - mean) * rstd * weight + bias per slice (n, c) of x, (num_slices, spatial)
+// contiguous float32, float16 or bfloat16 (T), statistics in float32 as every path.
+// A cooperative launch of teams of `size` consecutive CTAs; team t takes slices t,
+// t + teams, ... in rounds j = 0, 1, ...; CTA `rank` of the team holds values
+// [rank * kDataThreads * kVectors * kPer, ...) of each, thread i of it the 16-byte
+// vectors i + kDataThreads * v (v < kVectors, a column).
+// Each CTA has 16 data warps and two more:
+//   data threads, round j: one loop over the thread's column that, vector by vector,
+//     writes y of slice j - kLag from its shared-memory slot, moves slice j (loaded
+//     into registers in round j - 1) into that slot while summing it, and loads slice
+//     j + 1 into the registers; then the column's M2 about its mean (from the slot),
+//     the warp's total (Chan et al.'s merge, xor butterfly), handed to the publisher
+//     through an mbarrier. Reads and writes are issued all through the round, and
+//     each vector's load has a whole round to arrive.
+//   the publisher: combines round j's warp totals in warp order and publishes the CTA
+//     total (global memory, arrival counter with release).
+//   the collector: waits for every CTA of the team to have published round j
+//     (acquire), combines the totals in rank order and hands them to the data warps
+//     through an mbarrier (lane 0 of each data warp reads them and broadcasts them by
+//     shuffles). The data warps need them at the start of round j + kLag, two rounds
+//     after the last CTA publishes: the exchange's latency and the team's spread are
+//     hidden (one warp doing both jobs chained the team at ~6 us a round: #74).
+// So results are bit-identical run to run, and every CTA of a team applies the same
+// mean and rstd. Shared memory: kLag slots of kSlotBytes; slot j % kLag holds slice
+// j - kLag, then slice j, each vector read before it is rewritten by the same thread,
+// so no barrier guards the slots.
+// Handovers in shared memory: warp totals and slice totals rotate over kLag buffers,
+// each with a pair of mbarriers (written, read): a writer of round j waits until
+// round j - kLag's reader is done, a reader until round j is written. Those waits do
+// not block in practice (round j - kLag's totals were read long before); they keep
+// each buffer's reuse ordered within the CTA.
+// Team counters and totals in global memory rotate over kTotalRounds: a CTA
+// publishes round j + 8 after its data warps read round j + 5's totals, so every CTA
+// had published round j + 5, after its data warps read round j + 2's, after its
+// collector was done with round j.
+// sm_90+ (mbarrier parity waits); the body is empty before.
+template <typename T>
+__global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipelined_kernel(const ForwardProblem p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = Storage<T>;
+  constexpr int kPer = S::kPerVector;
+  constexpr int kDataWarps = kDataThreads / kWarpSize;
+  constexpr int kSlotVecs = kDataThreads * kVectors;
+  static_assert(kDataWarps <= kWarpSize, "the publisher's lanes take one warp total each");
+  __shared__ SliceStats warp_totals[kLag][kDataWarps];
+  __shared__ SliceStats slice_totals[kLag];
+  // mbarriers, one phase per round that uses the buffer: warp totals written (lane 0
+  // of each data warp arrives) and read (every lane of the publisher); slice totals
+  // written (the collector's lane 0) and read (lane 0 of each data warp).
+  __shared__ uint64_t warps_done[kLag];
+  __shared__ uint64_t warp_totals_free[kLag];
+  __shared__ uint64_t totals_ready[kLag];
+  __shared__ uint64_t slice_totals_free[kLag];
+  extern __shared__ uint4 slots[];         // [kLag][kVectors][kDataThreads]
+
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const int spatial = static_cast<int>(p.spatial);
+  const int size = team_size_for(p.spatial, kSlotVecs * kPer);
+  const int rank = static_cast<int>(blockIdx.x % size);
+  const int64_t team = blockIdx.x / size;
+  const int64_t teams = gridDim.x / size;
+  unsigned* const arrivals = static_cast<unsigned*>(p.workspace) + team * kTotalRounds;
+  SliceStats* const totals =
+      reinterpret_cast<SliceStats*>(static_cast<char*>(p.workspace) + counter_bytes(teams)) + team * kTotalRounds * size;
+  const int64_t num_slices = p.num_slices();
+  const int64_t rounds = team < num_slices ? (num_slices - team + teams - 1) / teams : 0;
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize);
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  // Waits for the phase of `barrier` that round j completes.
+  const auto wait_round = [](uint64_t* barrier, int64_t j) {
+    while (!cuda::ptx::mbarrier_try_wait_parity(barrier, static_cast<unsigned>((j / kLag) & 1))) {
+    }
+  };
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kLag; ++b) {
+      cuda::ptx::mbarrier_init(&warps_done[b], kDataWarps);
+      cuda::ptx::mbarrier_init(&warp_totals_free[b], kWarpSize);
+      cuda::ptx::mbarrier_init(&totals_ready[b], 1);
+      cuda::ptx::mbarrier_init(&slice_totals_free[b], kDataWarps);
+    }
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
+  __syncthreads();  // the only CTA barrier
+
+  if (warp == kDataWarps) {  // the publisher
+    for (int64_t j = 0; j < rounds; ++j) {
+      const int b = static_cast<int>(j % kLag);
+      wait_round(&warps_done[b], j);
+      const SliceStats total =
+          combine_team_totals<CombineStats, kWarpSize, SliceStats>(kDataWarps, [&](int w) { return warp_totals[b][w]; });
+      cuda::ptx::mbarrier_arrive(&warp_totals_free[b]);  // this lane's read of round j's warp totals is done
+      if (lane == 0) {
+        totals[(j % kTotalRounds) * size + rank] = total;
+        cuda::atomic_ref<unsigned, cuda::thread_scope_device> counter(arrivals[j % kTotalRounds]);
+        counter.fetch_add(1u, cuda::std::memory_order_release);
+      }
+      __syncwarp();
+    }
+    return;
+  }
+  if (warp == kDataWarps + 1) {  // the collector
+    for (int64_t j = 0; j < rounds; ++j) {
+      if (lane == 0) {
+        cuda::atomic_ref<unsigned, cuda::thread_scope_device> counter(arrivals[j % kTotalRounds]);
+        const unsigned all_arrived = static_cast<unsigned>(size) * static_cast<unsigned>(j / kTotalRounds + 1);
+        while (counter.load(cuda::std::memory_order_acquire) < all_arrived) {
+        }
+      }
+      __syncwarp();
+      const SliceStats* round_totals = totals + (j % kTotalRounds) * size;
+      const SliceStats result = combine_team_totals<CombineStats, INT_MAX, SliceStats>(size, [&](int r) {
+        // From L2 (ld.global.cg): L1 is not coherent with the other SMs' writes.
+        const float* words = reinterpret_cast<const float*>(round_totals + r);
+        return SliceStats{__ldcg(words), __ldcg(words + 1), __ldcg(words + 2)};
+      });
+      if (lane == 0) {
+        const int b = static_cast<int>(j % kLag);
+        if (j >= kLag) wait_round(&slice_totals_free[b], j - kLag);  // round j - 3's totals read
+        slice_totals[b] = result;
+        cuda::ptx::mbarrier_arrive(&totals_ready[b]);  // release: read after the data warps' wait
+      }
+      __syncwarp();
+    }
+    return;
+  }
+
+  const int num_vecs = spatial / kPer;
+  const int first = rank * kSlotVecs + threadIdx.x;
+  const int valid = min(kVectors, max(0, (num_vecs - first + kDataThreads - 1) / kDataThreads));
+  // The thread's column of round j's slice in x (j < rounds), and that slice's first value.
+  const auto source = [&](int64_t j) { return reinterpret_cast<const uint4*>(x + (team + j * teams) * spatial) + first; };
+  const auto first_value = [&](int64_t j) { return j < rounds ? S::to_float(x[(team + j * teams) * spatial]) : 0.f; };
+
+  uint4 ahead[kVectors];  // at the start of round j: slice j's column (loads issued in round j - 1)
+  if (rounds > 0) {
+    const uint4* from = source(0);
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      if (i < valid) ahead[i] = __ldg(from + i * kDataThreads);
+    }
+  }
+  // Shifts of slices j - 3 (output), j - 2, j - 1 and j (statistics) in round j.
+  SliceShift shifts[kLag + 1] = {SliceShift::of(0.f), SliceShift::of(0.f), SliceShift::of(0.f),
+                                 SliceShift::of(first_value(0))};
+  for (int64_t j = 0; j < rounds + kLag; ++j) {
+    const float first_next = first_value(j + 1);
+    const bool output = j >= kLag;
+    const bool statistics = j < rounds;
+    const bool load = j + 1 < rounds;
+    const SliceShift shift_output = shifts[0];
+    const SliceShift shift = shifts[kLag];
+    float scale = 0.f, offset = 0.f;
+    if (output) {
+      const int64_t previous = j - kLag;
+      const int64_t slice = team + previous * teams;
+      SliceStats stats{0.f, 0.f, 0.f};
+      if (lane == 0) {
+        const int b = static_cast<int>(previous % kLag);
+        wait_round(&totals_ready[b], previous);
+        stats = slice_totals[b];
+        cuda::ptx::mbarrier_arrive(&slice_totals_free[b]);
+      }
+      stats = SliceStats{__shfl_sync(0xffffffffu, stats.count, 0), __shfl_sync(0xffffffffu, stats.mean, 0),
+                         __shfl_sync(0xffffffffu, stats.m2, 0)};
+      const float rstd = shift_output.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
+      const float2 affine = slice_affine(p, slice);
+      scale = rstd * affine.x;
+      offset = affine.y - stats.mean * scale;
+      if (threadIdx.x == 0 && rank == 0) {
+        save_slice_stats(p, slice, shift_output.mean(stats.mean), shift_output.rstd(rstd));
+      }
+    }
+    const uint4* next = source(load ? j + 1 : 0);
+    uint4* out = reinterpret_cast<uint4*>(y + (output ? team + (j - kLag) * teams : team) * spatial) + first;
+    uint4* const slot = slots + static_cast<int>(j % kLag) * kSlotVecs + threadIdx.x;  // j - 3's, then j's
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      if (i < valid) {
+        if (output) {
+          float v[kPer];
+          S::unpack(slot[i * kDataThreads], v);
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) v[k] = __fmaf_rn(shift_output.apply(v[k]), scale, offset);
+          store_streaming(out + i * kDataThreads, S::pack(v));
+        }
+        if (statistics) {
+          float v[kPer];
+          S::unpack(ahead[i], v);
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) sum += shift.apply(v[k]);
+          slot[i * kDataThreads] = ahead[i];
+        }
+        if (load) ahead[i] = __ldg(next + i * kDataThreads);
+      }
+    }
+    if (statistics) {
+      SliceStats stats{static_cast<float>(kPer * valid), 0.f, 0.f};
+      if (valid > 0) {
+        stats.mean = sum / stats.count;
+        const LinearMap centered = shift.centered(stats.mean);
+#pragma unroll
+        for (int i = 0; i < kVectors; ++i) {
+          if (i < valid) {
+            float v[kPer];
+            S::unpack(slot[i * kDataThreads], v);
+#pragma unroll
+            for (int k = 0; k < kPer; ++k) {
+              const float deviation = centered.apply(v[k]);
+              stats.m2 += deviation * deviation;
+            }
+          }
+        }
+      }
+      const SliceStats warp_total = warp_allreduce(stats, CombineStats());
+      if (lane == 0) {
+        const int b = static_cast<int>(j % kLag);
+        if (j >= kLag) wait_round(&warp_totals_free[b], j - kLag);  // round j - 3's warp totals read
+        warp_totals[b][warp] = warp_total;
+        cuda::ptx::mbarrier_arrive(&warps_done[b]);  // release: the publisher reads warp_totals after it
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kLag; ++k) shifts[k] = shifts[k + 1];
+    shifts[kLag] = SliceShift::of(first_next);
+  }
+#endif
+}
+
+// The kernel of p's dtype.
+void (*kernel_for(DType dtype))(const ForwardProblem) {
+  switch (dtype) {
+    case DType::kFloat16: return forward_pipelined_kernel<__half>;
+    case DType::kBFloat16: return forward_pipelined_kernel<__nv_bfloat16>;
+    default: return forward_pipelined_kernel<float>;
+  }
+}
+
+constexpr int kThreads = kDataThreads + 2 * kWarpSize;
+constexpr int kSharedBytes = kLag * kSlotBytes;
+
+int resident_ctas(DType dtype) {
+  return max_resident_ctas(reinterpret_cast<const void*>(kernel_for(dtype)), kThreads, kSharedBytes, true);
+}
+
+}  // namespace pipelined_detail
+
+PipelinedPlan pipelined_plan(const ForwardProblem& p) {
+  using namespace pipelined_detail;
+  const int size = team_size_for(p.spatial, kDataThreads * kVectors * values_per_vector(p.dtype));
+  const int resident = resident_ctas(p.dtype);
+  if (p.layout != Layout::kContiguous || !vector_aligned(p) || size > resident || p.num_slices() <= 0) {
+    return {size, 0, 0};
+  }
+  const int64_t teams = std::min<int64_t>(p.num_slices(), resident / size);
+  return {size, teams, (p.num_slices() + teams - 1) / teams};
+}
+
+size_t pipelined_workspace_bytes(const ForwardProblem& p) {
+  using namespace pipelined_detail;
+  const PipelinedPlan plan = pipelined_plan(p);
+  return counter_bytes(plan.teams) + static_cast<size_t>(plan.teams * kTotalRounds * plan.team_size) * sizeof(SliceStats);
+}
+
+cudaError_t launch_pipelined(const ForwardProblem& p, cudaStream_t stream) {
+  using namespace pipelined_detail;
+  const PipelinedPlan plan = pipelined_plan(p);
+  if (plan.teams == 0 || p.workspace == nullptr) return cudaErrorInvalidValue;
+  const cudaError_t error = cudaMemsetAsync(p.workspace, 0, counter_bytes(plan.teams), stream);
+  if (error != cudaSuccess) return error;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = cooperative_launch_config(static_cast<unsigned>(plan.teams * plan.team_size),
+                                                              kThreads, kSharedBytes, stream, &attribute);
+  return cudaLaunchKernelEx(&config, kernel_for(p.dtype), p);
+}
+
+}  // namespace instance_norm
