@@ -52,11 +52,16 @@ _NVCC_FLAGS = ("-O3",)
 
 
 def _kernels_dir():
-    """Directory holding the kernel sources: $INSTANCE_NORM_KERNELS, else kernels/
-    next to this file, else ./kernels (exec'd without __file__, as harnesses do)."""
+    """Directory holding the kernel sources: $INSTANCE_NORM_KERNELS (which must hold
+    all of them: FileNotFoundError naming the missing ones), else kernels/ next to
+    this file, else ./kernels (exec'd without __file__, as harnesses do)."""
+    override = os.environ.get("INSTANCE_NORM_KERNELS")
+    if override:
+        missing = [name for name in _KERNEL_FILES if not os.path.isfile(os.path.join(override, name))]
+        if missing:
+            raise FileNotFoundError(f"instance_norm: INSTANCE_NORM_KERNELS={override} lacks " + ", ".join(missing))
+        return override
     candidates = []
-    if os.environ.get("INSTANCE_NORM_KERNELS"):
-        candidates.append(os.environ["INSTANCE_NORM_KERNELS"])
     if "__file__" in globals():
         candidates.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels"))
     candidates.append(os.path.join(os.getcwd(), "kernels"))

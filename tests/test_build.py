@@ -85,6 +85,17 @@ def test_exec_finds_kernels_from_environment(solution, monkeypatch, tmp_path):
     assert "ModelNew" in exec_solution()
 
 
+def test_incomplete_kernels_from_environment_name_what_is_missing(solution, monkeypatch, tmp_path):
+    """An INSTANCE_NORM_KERNELS folder without every source is refused, not passed over
+    for ./kernels (an A/B build would otherwise time the wrong kernels)."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "common.cuh").write_text("// only one of the sources\n")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("INSTANCE_NORM_KERNELS", str(tmp_path / "kernels"))
+    with pytest.raises(FileNotFoundError, match="lacks instance_norm.h"):
+        exec_solution()
+
+
 def test_exec_without_kernels_names_where_it_looked(solution, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("INSTANCE_NORM_KERNELS", raising=False)
