@@ -102,7 +102,8 @@ struct ForwardProblem {
 ForwardPath choose_forward_path(const ForwardProblem& problem);
 
 // Whether `path` can run this problem on the current device (a forced path that
-// cannot is an error, not a silent switch). A null y counts as aligned.
+// cannot is an error, not a silent switch); every path runs an empty problem (no
+// slices or no values: nothing to launch). A null y counts as aligned.
 bool forward_path_supported(ForwardPath path, const ForwardProblem& problem);
 
 // Bytes of workspace forward(problem, path, ...) needs (0 for most paths).

@@ -564,9 +564,9 @@ bool block_preferred(const ForwardProblem& p) {
 }
 
 // Where slices exceed a cluster, the pipelined path in fp32 where it keeps at least as
-// many SMs busy as cooperative teams and each team takes at least
-// kPipelinedMinRounds slices (its first three rounds only read, its last three only
-// write). On an H200 it ran fp32 (1, 32, 128^3), (4, 16, 1024^2) and (8, 8, 1448^2)
+// many SMs busy as cooperative teams and its teams take kPipelinedMinRounds slices or
+// more (the busiest; the others at most one fewer): its first three rounds only read,
+// its last three only write. On an H200 it ran fp32 (1, 32, 128^3), (4, 16, 1024^2) and (8, 8, 1448^2)
 // (32, 32 and 64 rounds) at 1.09-1.13x the copy against the cooperative path's
 // 1.39-1.47x; 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
 // cooperative path (docs/perf-notes.md #75). Fewer rounds were not measured.
@@ -611,6 +611,8 @@ ForwardPath choose_forward_path(const ForwardProblem& problem) {
 
 bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
   using namespace forward_detail;
+  // An empty problem needs no kernel: forward() returns at once on every path.
+  if (problem.num_slices() <= 0 || problem.spatial <= 0) return true;
   const bool contiguous = problem.layout == Layout::kContiguous;
   switch (path) {
     case ForwardPath::kAuto: return true;
@@ -626,6 +628,7 @@ bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
 
 size_t forward_workspace_bytes(const ForwardProblem& problem, ForwardPath path) {
   using namespace forward_detail;
+  if (problem.num_slices() <= 0 || problem.spatial <= 0) return 0;
   if (path == ForwardPath::kAuto) path = choose_forward_path(problem);
   if (problem.running_mean != nullptr || path == ForwardPath::kSplit) return split_workspace_bytes(problem);
   if (path == ForwardPath::kCooperative) {

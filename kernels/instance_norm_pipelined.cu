@@ -19,6 +19,7 @@ constexpr int kVectors = 8;  // 16-byte vectors of a slice per data thread
 constexpr int kLag = 3;
 // Rounds whose CTA totals are in the workspace at once (see the kernel's comment).
 constexpr int kTotalRounds = 8;
+static_assert(kTotalRounds >= 2 * kLag, "a CTA publishes round j + 2 * kLag only after every CTA collected round j");
 constexpr int kSlotBytes = kDataThreads * kVectors * 16;
 
 // Bytes of the workspace before the totals: kTotalRounds arrival counters per team,
@@ -36,11 +37,12 @@ __host__ __device__ inline size_t counter_bytes(int64_t teams) {
 // Each CTA has 16 data warps and two more:
 //   data threads, round j: one loop over the thread's column that, vector by vector,
 //     writes y of slice j - kLag from its shared-memory slot, moves slice j (loaded
-//     into registers in round j - 1) into that slot while summing it, and loads slice
-//     j + 1 into the registers; then the column's M2 about its mean (from the slot),
-//     the warp's total (Chan et al.'s merge, xor butterfly), handed to the publisher
-//     through an mbarrier. Reads and writes are issued all through the round, and
-//     each vector's load has a whole round to arrive.
+//     into registers in round j - 1; float32 as d, see kHoldsD) into that slot while
+//     summing it, and loads slice j + 1 into the registers; then the column's M2
+//     about its mean (from the slot), the warp's total (Chan et al.'s merge, xor
+//     butterfly), handed to the publisher through an mbarrier. Reads and writes are
+//     issued all through the round, and each vector's load has a whole round to
+//     arrive.
 //   the publisher: combines round j's warp totals in warp order and publishes the CTA
 //     total (global memory, arrival counter with release).
 //   the collector: waits for every CTA of the team to have published round j
@@ -68,6 +70,10 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
+  // float32 slots hold d = (x - shift) * k, as the resident kernel's registers do, so M2
+  // is taken about the mean exactly; 16-bit slots hold x, M2's centering folded into
+  // one FMA (its rounding far below 16-bit resolution: forward_resident_kernel).
+  constexpr bool kHoldsD = sizeof(T) == sizeof(float);
   constexpr int kDataWarps = kDataThreads / kWarpSize;
   constexpr int kSlotVecs = kDataThreads * kVectors;
   static_assert(kDataWarps <= kWarpSize, "the publisher's lanes take one warp total each");
@@ -90,8 +96,8 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
   const int64_t team = blockIdx.x / size;
   const int64_t teams = gridDim.x / size;
   unsigned* const arrivals = static_cast<unsigned*>(p.workspace) + team * kTotalRounds;
-  SliceStats* const totals =
-      reinterpret_cast<SliceStats*>(static_cast<char*>(p.workspace) + counter_bytes(teams)) + team * kTotalRounds * size;
+  SliceStats* const totals = reinterpret_cast<SliceStats*>(static_cast<char*>(p.workspace) + counter_bytes(teams)) +
+                             team * kTotalRounds * size;
   const int64_t num_slices = p.num_slices();
   const int64_t rounds = team < num_slices ? (num_slices - team + teams - 1) / teams : 0;
   const int warp = static_cast<int>(threadIdx.x / kWarpSize);
@@ -116,8 +122,8 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
     for (int64_t j = 0; j < rounds; ++j) {
       const int b = static_cast<int>(j % kLag);
       wait_round(&warps_done[b], j);
-      const SliceStats total =
-          combine_team_totals<CombineStats, kWarpSize, SliceStats>(kDataWarps, [&](int w) { return warp_totals[b][w]; });
+      const SliceStats total = combine_team_totals<CombineStats, kWarpSize, SliceStats>(
+          kDataWarps, [&](int w) { return warp_totals[b][w]; });
       cuda::ptx::mbarrier_arrive(&warp_totals_free[b]);  // this lane's read of round j's warp totals is done
       if (lane == 0) {
         totals[(j % kTotalRounds) * size + rank] = total;
@@ -158,7 +164,9 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
   const int first = rank * kSlotVecs + threadIdx.x;
   const int valid = min(kVectors, max(0, (num_vecs - first + kDataThreads - 1) / kDataThreads));
   // The thread's column of round j's slice in x (j < rounds), and that slice's first value.
-  const auto source = [&](int64_t j) { return reinterpret_cast<const uint4*>(x + (team + j * teams) * spatial) + first; };
+  const auto source = [&](int64_t j) {
+    return reinterpret_cast<const uint4*>(x + (team + j * teams) * spatial) + first;
+  };
   const auto first_value = [&](int64_t j) { return j < rounds ? S::to_float(x[(team + j * teams) * spatial]) : 0.f; };
 
   uint4 ahead[kVectors];  // at the start of round j: slice j's column (loads issued in round j - 1)
@@ -211,15 +219,15 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
           float v[kPer];
           S::unpack(slot[i * kDataThreads], v);
 #pragma unroll
-          for (int k = 0; k < kPer; ++k) v[k] = __fmaf_rn(shift_output.apply(v[k]), scale, offset);
+          for (int k = 0; k < kPer; ++k) v[k] = __fmaf_rn(kHoldsD ? v[k] : shift_output.apply(v[k]), scale, offset);
           store_streaming(out + i * kDataThreads, S::pack(v));
         }
         if (statistics) {
           float v[kPer];
           S::unpack(ahead[i], v);
 #pragma unroll
-          for (int k = 0; k < kPer; ++k) sum += shift.apply(v[k]);
-          slot[i * kDataThreads] = ahead[i];
+          for (int k = 0; k < kPer; ++k) sum += v[k] = shift.apply(v[k]);
+          slot[i * kDataThreads] = kHoldsD ? S::pack(v) : ahead[i];
         }
         if (load) ahead[i] = __ldg(next + i * kDataThreads);
       }
@@ -228,7 +236,7 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
       SliceStats stats{static_cast<float>(kPer * valid), 0.f, 0.f};
       if (valid > 0) {
         stats.mean = sum / stats.count;
-        const LinearMap centered = shift.centered(stats.mean);
+        const LinearMap centered = kHoldsD ? LinearMap{1.f, -stats.mean} : shift.centered(stats.mean);
 #pragma unroll
         for (int i = 0; i < kVectors; ++i) {
           if (i < valid) {
@@ -279,7 +287,7 @@ PipelinedPlan pipelined_plan(const ForwardProblem& p) {
   using namespace pipelined_detail;
   const int size = team_size_for(p.spatial, kDataThreads * kVectors * values_per_vector(p.dtype));
   const int resident = resident_ctas(p.dtype);
-  if (p.layout != Layout::kContiguous || !vector_aligned(p) || size > resident || p.num_slices() <= 0) {
+  if (p.layout != Layout::kContiguous || !vector_aligned(p) || size <= 0 || size > resident || p.num_slices() <= 0) {
     return {size, 0, 0};
   }
   const int64_t teams = std::min<int64_t>(p.num_slices(), resident / size);
@@ -289,7 +297,8 @@ PipelinedPlan pipelined_plan(const ForwardProblem& p) {
 size_t pipelined_workspace_bytes(const ForwardProblem& p) {
   using namespace pipelined_detail;
   const PipelinedPlan plan = pipelined_plan(p);
-  return counter_bytes(plan.teams) + static_cast<size_t>(plan.teams * kTotalRounds * plan.team_size) * sizeof(SliceStats);
+  return counter_bytes(plan.teams) +
+         static_cast<size_t>(plan.teams * kTotalRounds * plan.team_size) * sizeof(SliceStats);
 }
 
 cudaError_t launch_pipelined(const ForwardProblem& p, cudaStream_t stream) {

@@ -7,9 +7,10 @@
 namespace instance_norm {
 
 // How the pipelined path runs a problem: teams of team_size CTAs, each taking up to
-// `rounds` slices one after another. teams == 0 where the path cannot run: it needs
-// sm_90+, the contiguous layout, whole 16-byte vectors at 16-byte aligned x and y,
-// and a team no larger than the CTAs resident at once.
+// `rounds` slices one after another (the other teams one fewer at most). teams == 0
+// where the path cannot run: it needs sm_90+, the contiguous layout, whole 16-byte
+// vectors at 16-byte aligned x and y, and a team no larger than the CTAs resident at
+// once; and for an empty problem (no slices or no values), which needs no kernel.
 struct PipelinedPlan {
   int team_size;
   int64_t teams;

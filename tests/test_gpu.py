@@ -84,12 +84,13 @@ def expected_paths(shape, dtype):
 # 16-bit is not made of whole vectors), 1d and 3d, 70,016 slices (KB: 1,024 bytes);
 # pipelined teams over more rounds than their totals rotate through (8): 797 slices of
 # 20,000 (fp32: two CTAs per slice, the second partly filled, 66 teams of up to 13
-# rounds) and 128 slices of 64^3 (fp32: 8 teams of 16 CTAs, 16 rounds).
+# rounds) and 192 slices of 64^3 (fp32: 8 teams of 16 CTAs, 24 rounds; 16-bit: 16
+# teams of 8, 12 rounds).
 SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
           (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 210, 210), (2, 3, 301, 301), (2, 3, 512, 512),
           (1, 3, 724, 724), (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96),
           (1, 2, 64, 64, 64), (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4), (1, 797, 100, 200),
-          (2, 64, 64, 64, 64)]
+          (3, 64, 64, 64, 64)]
 
 
 def shape_id(shape):
@@ -213,6 +214,34 @@ def test_large_offset_small_spread_keeps_precision(solution):
             for path in paths_for(solution, layout):
                 error = (solution._EXT.forward(layout, path=path).double() - reference).abs().max().item()
                 assert error < 2e-2, f"{shape} path {path}: {error}"
+
+
+def test_fp32_spread_of_two_ulps_keeps_rstd(solution):
+    """1e4 + 0.002 * randn in fp32 (a spread of about two float32 ulps of the offset):
+    the resident paths (cluster, cooperative, pipelined) take M2 about the mean of
+    exact differences from the slice's first value, so rstd stays within 1e-4 of
+    float64's (centering by one FMA, offset - mean rounded at 1e4's ulp, was ~1e-3
+    off on the pipelined path before session 14's fix)."""
+    torch.manual_seed(12)
+    for shape in ((2, 3, 512, 512), (1, 2, 1024, 1024)):
+        x = 1e4 + 0.002 * torch.randn(shape, device="cuda")
+        expected = torch.rsqrt(float64_stats(x)[1] + 1e-5)
+        paths = [p for p in paths_for(solution, x) if p in (CLUSTER, COOPERATIVE, PIPELINED)]
+        assert PIPELINED in paths and COOPERATIVE in paths
+        for path in paths:
+            rstd = solution._EXT.forward_with_stats(x, path=path)[2]
+            torch.testing.assert_close(rstd.double().view_as(expected), expected, rtol=1e-4, atol=0,
+                                       msg=f"{shape} path {path}: rstd")
+
+
+def test_empty_input_runs_on_every_path(solution):
+    """No slices or no values: every forced path accepts the input and returns an
+    empty output of its shape (no kernel runs, no workspace is sized)."""
+    for shape in ((0, 3, 8, 8), (2, 3, 0, 4)):
+        x = torch.randn(shape, device="cuda")
+        for path in FORWARD_PATHS:
+            assert solution._EXT.path_supported(x, path), f"{shape} path {path}"
+            assert solution._EXT.forward(x, path=path).shape == x.shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
