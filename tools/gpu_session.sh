@@ -5,7 +5,8 @@
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py
 #             (our kernels only; SANITIZERS="racecheck" picks tools)
 #   bench     bench.py --paths (the README command) on the seed shape, fp32 and bf16, and
-#             on the 3d row (1, 32, 128, 128, 128) fp32 (the pipelined path; --paths also times the cooperative one)
+#             on the 3d row (1, 32, 128, 128, 128) fp32 (the pipelined path; --paths also
+#             times the cooperative one)
 #   suite     bench.py --suite, forward and --backward
 #
 #   bash tools/gpu_session.sh [stage ...]
