@@ -499,6 +499,40 @@ __host__ __device__ inline size_t team_counter_bytes(int64_t teams) {
   return static_cast<size_t>((teams * sizeof(unsigned) + 15) / 16 * 16);
 }
 
+// A cooperative team's exchange through global memory, step by step (CooperativeTeam
+// and the pipelined path): one thread publishes its CTA's total and arrives on the
+// team's counter (release at device scope); one thread waits until the counter holds
+// a round's arrivals (acquire); then its warp combines the totals, read from L2.
+template <typename V>
+__device__ __forceinline__ void publish_team_total(V* totals, int rank, const V& total, unsigned* counter) {
+  totals[rank] = total;
+  cuda::atomic_ref<unsigned, cuda::thread_scope_device>(*counter).fetch_add(1u, cuda::std::memory_order_release);
+}
+
+__device__ __forceinline__ void wait_team_arrivals(unsigned* counter, unsigned all_arrived) {
+  cuda::atomic_ref<unsigned, cuda::thread_scope_device> arrivals(*counter);
+  while (arrivals.load(cuda::std::memory_order_acquire) < all_arrived) {
+  }
+}
+
+// Every lane of the calling warp gets totals[0, size) combined in rank order
+// (combine_team_totals), each read from L2 (ld.global.cg): L1 is not coherent with the
+// other SMs' writes. After wait_team_arrivals and a __syncwarp.
+template <typename Op, typename V>
+__device__ __forceinline__ V combine_published_totals(const V* totals, int size) {
+  static_assert(sizeof(V) % 4 == 0, "totals are read as 32-bit words");
+  return combine_team_totals<Op, INT_MAX, V>(size, [&](int rank) {
+    constexpr int kWords = sizeof(V) / 4;
+    const unsigned* words = reinterpret_cast<const unsigned*>(totals + rank);
+    unsigned loaded[kWords];
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) loaded[k] = __ldcg(words + k);
+    V out;
+    memcpy(&out, loaded, sizeof(V));
+    return out;
+  });
+}
+
 struct CooperativeTeam {
   // Warp 0 holds the thread that releases the team's arrival (thread 0); a release
   // waits for that thread's memory operations in flight, so warp 0 stages its
@@ -528,7 +562,6 @@ struct CooperativeTeam {
 
   template <typename Op, typename V, int THREADS>
   __device__ V allreduce(V value, TeamStorage<V, THREADS>& storage, int round) const {
-    static_assert(sizeof(V) % 4 == 0, "totals are read as 32-bit words");
     // Thread 0 rewrites storage.result next round only after cub's barrier inside
     // Reduce, which every thread passes after reading this round's result; a
     // one-warp CTA would have no such barrier.
@@ -537,25 +570,11 @@ struct CooperativeTeam {
     const V total = cub::BlockReduce<V, THREADS>(storage.reduce).Reduce(value, Op());
     if (threadIdx.x < kWarpSize) {
       if (threadIdx.x == 0) {
-        totals[rank_] = total;
-        cuda::atomic_ref<unsigned, cuda::thread_scope_device> arrivals(*arrivals_);
-        arrivals.fetch_add(1u, cuda::std::memory_order_release);
-        const unsigned all_arrived = static_cast<unsigned>(size_) * static_cast<unsigned>(round + 1);
-        while (arrivals.load(cuda::std::memory_order_acquire) < all_arrived) {
-        }
+        publish_team_total(totals, rank_, total, arrivals_);
+        wait_team_arrivals(arrivals_, static_cast<unsigned>(size_) * static_cast<unsigned>(round + 1));
       }
       __syncwarp();  // the warp after lane 0's acquire
-      const V result = combine_team_totals<Op, INT_MAX, V>(size_, [&](int rank) {
-        // From L2 (ld.global.cg): L1 is not coherent with the other SMs' writes.
-        constexpr int kWords = sizeof(V) / 4;
-        const unsigned* words = reinterpret_cast<const unsigned*>(totals + rank);
-        unsigned loaded[kWords];
-#pragma unroll
-        for (int k = 0; k < kWords; ++k) loaded[k] = __ldcg(words + k);
-        V out;
-        memcpy(&out, loaded, sizeof(V));
-        return out;
-      });
+      const V result = combine_published_totals<Op>(totals, size_);
       if (threadIdx.x == 0) storage.result = result;
     }
     __syncthreads();  // storage.result to every thread; also frees storage.reduce for reuse

@@ -566,10 +566,11 @@ bool block_preferred(const ForwardProblem& p) {
 // Where slices exceed a cluster, the pipelined path in fp32 where it keeps at least as
 // many SMs busy as cooperative teams and its teams take kPipelinedMinRounds slices or
 // more (the busiest; the others at most one fewer): its first three rounds only read,
-// its last three only write. On an H200 it ran fp32 (1, 32, 128^3), (4, 16, 1024^2) and (8, 8, 1448^2)
-// (32, 32 and 64 rounds) at 1.09-1.13x the copy against the cooperative path's
-// 1.39-1.47x; 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
-// cooperative path (docs/perf-notes.md #75). Fewer rounds were not measured.
+// its last three only write. On H200s it ran fp32 (1, 32, 128^3), (4, 16, 1024^2) and
+// (8, 8, 1448^2) (32, 32 and 64 rounds) at 1.09-1.18x the copy against the
+// cooperative path's 1.39-1.47x; 3d bf16 was slower (1.58x against 1.51x), so 16-bit
+// slices keep the cooperative path (docs/perf-notes.md #75). Fewer rounds were not
+// measured.
 constexpr int64_t kPipelinedMinRounds = 16;
 bool pipelined_preferred(const ForwardProblem& p) {
   if (p.dtype != DType::kFloat32 || !resident_supported(TeamKind::kCooperative, p)) return false;

@@ -24,9 +24,7 @@ constexpr int kSlotBytes = kDataThreads * kVectors * 16;
 
 // Bytes of the workspace before the totals: kTotalRounds arrival counters per team,
 // rounded up to 16 bytes.
-__host__ __device__ inline size_t counter_bytes(int64_t teams) {
-  return static_cast<size_t>((teams * kTotalRounds * sizeof(unsigned) + 15) / 16 * 16);
-}
+__host__ __device__ inline size_t counter_bytes(int64_t teams) { return team_counter_bytes(teams * kTotalRounds); }
 
 // y = (x - mean) * rstd * weight + bias per slice (n, c) of x, (num_slices, spatial)
 // contiguous float32, float16 or bfloat16 (T), statistics in float32 as every path.
@@ -126,9 +124,7 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
           kDataWarps, [&](int w) { return warp_totals[b][w]; });
       cuda::ptx::mbarrier_arrive(&warp_totals_free[b]);  // this lane's read of round j's warp totals is done
       if (lane == 0) {
-        totals[(j % kTotalRounds) * size + rank] = total;
-        cuda::atomic_ref<unsigned, cuda::thread_scope_device> counter(arrivals[j % kTotalRounds]);
-        counter.fetch_add(1u, cuda::std::memory_order_release);
+        publish_team_total(totals + (j % kTotalRounds) * size, rank, total, &arrivals[j % kTotalRounds]);
       }
       __syncwarp();
     }
@@ -137,18 +133,11 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
   if (warp == kDataWarps + 1) {  // the collector
     for (int64_t j = 0; j < rounds; ++j) {
       if (lane == 0) {
-        cuda::atomic_ref<unsigned, cuda::thread_scope_device> counter(arrivals[j % kTotalRounds]);
-        const unsigned all_arrived = static_cast<unsigned>(size) * static_cast<unsigned>(j / kTotalRounds + 1);
-        while (counter.load(cuda::std::memory_order_acquire) < all_arrived) {
-        }
+        wait_team_arrivals(&arrivals[j % kTotalRounds],
+                           static_cast<unsigned>(size) * static_cast<unsigned>(j / kTotalRounds + 1));
       }
       __syncwarp();
-      const SliceStats* round_totals = totals + (j % kTotalRounds) * size;
-      const SliceStats result = combine_team_totals<CombineStats, INT_MAX, SliceStats>(size, [&](int r) {
-        // From L2 (ld.global.cg): L1 is not coherent with the other SMs' writes.
-        const float* words = reinterpret_cast<const float*>(round_totals + r);
-        return SliceStats{__ldcg(words), __ldcg(words + 1), __ldcg(words + 2)};
-      });
+      const SliceStats result = combine_published_totals<CombineStats>(totals + (j % kTotalRounds) * size, size);
       if (lane == 0) {
         const int b = static_cast<int>(j % kLag);
         if (j >= kLag) wait_round(&slice_totals_free[b], j - kLag);  // round j - 3's totals read
