@@ -315,7 +315,9 @@ def test_automatic_path_per_size(solution):
     assert chosen(1, 32, 128, 128, 128) == PIPELINED  # one team of 128 CTAs, 32 rounds
     assert chosen(4, 16, 1024, 1024) == PIPELINED  # two teams of 64, 32 rounds
     assert chosen(1, 32, 128, 128, 128, dtype=torch.bfloat16) == COOPERATIVE  # 16-bit: the cooperative path
-    assert chosen(1, 8, 128, 128, 128) == COOPERATIVE  # 8 rounds: fewer than kPipelinedMinRounds
+    assert chosen(1, 3, 128, 128, 128) == COOPERATIVE  # 3 rounds: fewer than kPipelinedMinRounds
+    assert chosen(1, 4, 128, 128, 128) == PIPELINED  # one team of 128 CTAs, 4 rounds
+    assert chosen(2, 8, 1024, 1024) == PIPELINED  # two teams of 64, 8 rounds
     assert chosen(1, 32, 768, 1024) == COOPERATIVE  # pipelined: 2 teams of 48 CTAs busy, cooperative: 5 of 24
     assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
     assert chosen(1, 2, 1031, 1031) == SPLIT  # not a multiple of the vector
@@ -356,13 +358,16 @@ def test_more_than_2_pow_31_elements(solution):
     torch.cuda.empty_cache()
 
 
-def test_more_than_2_pow_31_elements_cluster_path(solution):
-    """(130, 64, 512, 512) fp32, 8.7 GB: the cluster path's last slices match float64."""
+def test_more_than_2_pow_31_elements_cluster_and_pipelined_paths(solution):
+    """(130, 64, 512, 512) fp32, 8.7 GB: the last slices match float64 on the cluster path
+    (chosen) and on the pipelined path (forced: teams of 16 CTAs, over 1,000 rounds)."""
     torch.manual_seed(10)
     x = torch.randn(130, 64, 512, 512, device="cuda")
     assert x.numel() > 2**31 and solution._EXT.chosen_path(x) == CLUSTER
-    out = solution._EXT.forward(x)
     reference = float64_reference(x[-1:, -4:])
-    assert (out[-1:, -4:].double() - reference).abs().max().item() < 1e-4
-    del out, x
+    for path in (0, PIPELINED):  # 0: the chosen path
+        out = solution._EXT.forward(x, path=path)
+        assert (out[-1:, -4:].double() - reference).abs().max().item() < 1e-4, path
+        del out
+    del x
     torch.cuda.empty_cache()

@@ -9,7 +9,8 @@ channels-last 24-channel tiles, the last partial in bf16, CTAs of 128 and 512
 threads), full and partly filled clusters, a 16-CTA cluster, odd sizes,
 more slices than resident teams (150 of 25,600 values: the backward's resident teams
 go round twice with 6-13 dy vectors per thread; the pipelined path's teams take 3
-rounds, and 10 on 1,200 slices of 1,024 values, more than its totals rotate through),
+rounds, 10 on 1,200 slices of 1,024 values and 12 with two CTAs a team on 792 slices
+of 16,400, more than its totals rotate through),
 the split path (contiguous and channels-last), eval with running statistics, the
 running-statistics update and a misaligned view, in float32 and bfloat16, with a
 per-channel weight. Exits 1 if any output is wrong (so a tool run also checks
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import solution  # noqa: E402
-from reference import BACKWARD_GENERIC, channels_last, float64_reference  # noqa: E402
+from reference import BACKWARD_GENERIC, PIPELINED, channels_last, float64_reference  # noqa: E402
 
 SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (2, 3, 45, 45), (2, 2, 128, 128), (1, 2, 301, 301),
           (1, 2, 724, 724), (3, 5, 7, 7), (1, 2, 1030, 1030), (3, 50, 160, 160),
@@ -66,6 +67,14 @@ def main():
         solution.instance_norm(x, *running, weight=weight)
         failures += not ok
         print(f"shape {shape} {dtype} {layout} eval + running update: {'ok' if ok else 'WRONG'}")
+    # The pipelined path's multi-CTA teams over more rounds than its totals rotate
+    # through (kTotalRounds = 8): 16,400 fp32 values give teams of two CTAs (the second
+    # holds 16 values), 12 or more rounds on any GPU of up to 132 SMs.
+    x = torch.randn(1, 792, 100, 164, device="cuda")
+    if solution._EXT.path_supported(x, PIPELINED):
+        ok = close(solution._EXT.forward(x, path=PIPELINED), float64_reference(x), torch.float32)
+        failures += not ok
+        print(f"pipelined, 2-CTA teams, 12+ rounds: {'ok' if ok else 'WRONG'}")
     misaligned = torch.randn(2 * 3 * 64 * 64 + 1, device="cuda")[1:].view(2, 3, 64, 64)
     ok = close(solution.ModelNew(3)(misaligned), float64_reference(misaligned), torch.float32)
     failures += not ok
