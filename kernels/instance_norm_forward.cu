@@ -571,8 +571,8 @@ bool block_preferred(const ForwardProblem& p) {
 // cooperative path's 1.39-1.47x. Fewer rounds, fp32 (1, k, 128^3) (one team of 128
 // CTAs, k rounds) and (2, k, 1024^2) (two teams of 64): 2 rounds 1.71x against 1.61x;
 // 3: 1.56x against 1.80x; 4: 1.49-1.52x against 1.51x, and 1.41x against 1.47x; 5-12:
-// 1.16-1.41x against 1.43-1.67x. The rule starts at 4 (3 was measured after it was
-// validated). 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
+// 1.16-1.41x against 1.43-1.67x. The rule starts at 4 (set before 3 rounds was
+// measured; 3 is not validated). 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
 // cooperative path (docs/perf-notes.md #75, #80).
 constexpr int64_t kPipelinedMinRounds = 4;
 bool pipelined_preferred(const ForwardProblem& p) {
