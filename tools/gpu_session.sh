@@ -4,7 +4,7 @@
 #   tests     python -m pytest -m gpu, then check.py
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py
 #             (our kernels only; SANITIZERS="racecheck" picks tools)
-#   bench     bench.py --paths (the README command) on the seed shape, fp32 and bf16, and
+#   bench     bench.py --paths (the README's bench.py, every path) on the seed shape, fp32 and bf16, and
 #             on the 3d row (1, 32, 128, 128, 128) fp32 (the pipelined path; --paths also
 #             times the cooperative one)
 #   suite     bench.py --suite, forward and --backward
@@ -19,7 +19,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 start=$(date +%s); python3 -c "import solution" 2>&1 | tail -3; echo "build: $(( $(date +%s) - start )) s"
 if has build; then
-  so=$(ls ~/.cache/instance_norm_cuda/*/instance_norm_*.so | head -1)
+  # the newest build under the build root solution.py uses
+  so=$(ls -t "${INSTANCE_NORM_BUILD_ROOT:-$HOME/.cache/instance_norm_cuda}"/*/instance_norm_*.so | head -1)
   cuobjdump -sass "$so" | grep -oE "(LDG|STG|LDL|STL|LDS|STS)[.A-Z0-9]*" | sort | uniq -c
 fi
 if has tests; then
