@@ -231,6 +231,13 @@ __device__ __forceinline__ void bulk_copy_to_shared(unsigned destination, const 
                "l"(source), "r"(bytes), "r"(barrier)
                : "memory");
 }
+
+// Spins until the phase of `barrier` with parity `parity` (0 or 1) has completed
+// (sm_90+ mbarrier try_wait.parity, acquire at CTA scope).
+__device__ __forceinline__ void wait_mbarrier_phase(uint64_t* barrier, unsigned parity) {
+  while (!cuda::ptx::mbarrier_try_wait_parity(barrier, parity)) {
+  }
+}
 #endif
 
 // `address` made to depend on every vector of `raw`, so that a cp.async to it

@@ -570,8 +570,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     const float weight = channel_weight(p, slice % p.num_channels);
 
     uint4 x_raw[kVecs];
-    while (!cuda::ptx::mbarrier_try_wait_parity(&x_full, static_cast<unsigned>(round) & 1u)) {
-    }
+    wait_mbarrier_phase(&x_full, static_cast<unsigned>(round) & 1u);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) x_raw[i] = i < valid ? staged[i * THREADS + threadIdx.x] : make_uint4(0, 0, 0, 0);
     __syncthreads();  // every column read before the bulk copy overwrites them

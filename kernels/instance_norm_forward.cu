@@ -572,8 +572,8 @@ bool block_preferred(const ForwardProblem& p) {
 // CTAs, k rounds) and (2, k, 1024^2) (two teams of 64): 2 rounds 1.71x against 1.61x;
 // 3: 1.56x against 1.80x; 4: 1.49-1.52x against 1.51x, and 1.41x against 1.47x; 5-12:
 // 1.16-1.41x against 1.43-1.67x. The rule starts at 4 (set before 3 rounds was
-// measured; 3 is not validated). 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
-// cooperative path (docs/perf-notes.md #75, #80).
+// measured; 3 is not validated). 3d bf16 was slower (1.58x against 1.51x), so 16-bit
+// slices keep the cooperative path (docs/perf-notes.md #75, #80).
 constexpr int64_t kPipelinedMinRounds = 4;
 bool pipelined_preferred(const ForwardProblem& p) {
   if (p.dtype != DType::kFloat32 || !resident_supported(TeamKind::kCooperative, p)) return false;

@@ -102,8 +102,7 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   // Waits for the phase of `barrier` that round j completes.
   const auto wait_round = [](uint64_t* barrier, int64_t j) {
-    while (!cuda::ptx::mbarrier_try_wait_parity(barrier, static_cast<unsigned>((j / kLag) & 1))) {
-    }
+    wait_mbarrier_phase(barrier, static_cast<unsigned>((j / kLag) & 1));
   };
   if (threadIdx.x == 0) {
     for (int b = 0; b < kLag; ++b) {

@@ -10,11 +10,10 @@ threads), full and partly filled clusters, a 16-CTA cluster, odd sizes,
 more slices than resident teams (150 of 25,600 values: the backward's resident teams
 go round twice with 6-13 dy vectors per thread; the pipelined path's teams take 3
 rounds, 10 on 1,200 slices of 1,024 values and 12 with two CTAs a team on 792 slices
-of 16,400, more than its totals rotate through),
-the split path (contiguous and channels-last), eval with running statistics, the
-running-statistics update and a misaligned view, in float32 and bfloat16, with a
-per-channel weight. Exits 1 if any output is wrong (so a tool run also checks
-results)."""
+of 16,400, more than its totals rotate through), the split path (contiguous and
+channels-last), eval with running statistics, the running-statistics update and a
+misaligned view, in float32 and bfloat16, with a per-channel weight. Exits 1 if any
+output is wrong (so a tool run also checks results)."""
 import itertools
 import os
 import sys
