@@ -570,11 +570,11 @@ bool block_preferred(const ForwardProblem& p) {
 // (8, 8, 1448^2) (32, 32 and 64 rounds) at 1.09-1.18x the copy against the
 // cooperative path's 1.39-1.47x. Fewer rounds, fp32 (1, k, 128^3) (one team of 128
 // CTAs, k rounds) and (2, k, 1024^2) (two teams of 64): 2 rounds 1.71x against 1.61x;
-// 3: 1.56x against 1.80x; 4: 1.49-1.52x against 1.51x, and 1.41x against 1.47x; 5-12:
-// 1.16-1.41x against 1.43-1.67x. The rule starts at 4 (set before 3 rounds was
-// measured; 3 is not validated). 3d bf16 was slower (1.58x against 1.51x), so 16-bit
-// slices keep the cooperative path (docs/perf-notes.md #75, #80).
-constexpr int64_t kPipelinedMinRounds = 4;
+// 3: 1.56x against 1.80x, and 1.42-1.43x against 1.74-1.75x; 4: 1.49-1.52x against
+// 1.51x, and 1.41x against 1.47x; 5-12: 1.16-1.41x against 1.43-1.67x. So the rule
+// starts at 3. 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
+// cooperative path (docs/perf-notes.md #75, #80, #81).
+constexpr int64_t kPipelinedMinRounds = 3;
 bool pipelined_preferred(const ForwardProblem& p) {
   if (p.dtype != DType::kFloat32 || !resident_supported(TeamKind::kCooperative, p)) return false;
   const PipelinedPlan plan = pipelined_plan(p);

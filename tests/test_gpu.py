@@ -315,8 +315,9 @@ def test_automatic_path_per_size(solution):
     assert chosen(1, 32, 128, 128, 128) == PIPELINED  # one team of 128 CTAs, 32 rounds
     assert chosen(4, 16, 1024, 1024) == PIPELINED  # two teams of 64, 32 rounds
     assert chosen(1, 32, 128, 128, 128, dtype=torch.bfloat16) == COOPERATIVE  # 16-bit: the cooperative path
-    assert chosen(1, 3, 128, 128, 128) == COOPERATIVE  # 3 rounds: fewer than kPipelinedMinRounds
-    assert chosen(1, 4, 128, 128, 128) == PIPELINED  # one team of 128, 4 rounds; cooperative: 2 of 64
+    assert chosen(1, 2, 128, 128, 128) == COOPERATIVE  # 2 rounds: fewer than kPipelinedMinRounds
+    assert chosen(1, 3, 128, 128, 128) == PIPELINED  # one team of 128, 3 rounds; cooperative: 2 of 64
+    assert chosen(2, 3, 1024, 1024) == PIPELINED  # two teams of 64, 3 rounds; cooperative: 4 of 32
     assert chosen(2, 8, 1024, 1024) == PIPELINED  # two teams of 64, 8 rounds; cooperative: 4 of 32
     assert chosen(1, 32, 768, 1024) == COOPERATIVE  # pipelined: 2 teams of 48 CTAs busy, cooperative: 5 of 24
     assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
