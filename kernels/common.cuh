@@ -714,6 +714,16 @@ inline int ctas_per_sm(const void* kernel, int threads, int shared_bytes) {
   });
 }
 
+// The current device's SM count (0 where the query fails).
+inline int current_sm_count() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return sms;
+}
+
 // Whether `device` is sm_90 or newer (clusters, bulk copies).
 inline bool is_sm90_or_newer(int device) {
   int major = 0;
