@@ -714,11 +714,13 @@ inline int ctas_per_sm(const void* kernel, int threads, int shared_bytes) {
   });
 }
 
-// The current device's SM count (0 where the query fails).
+// The current device's SM count (0 where the query fails; its error is cleared so a
+// later cudaGetLastError() reports only the launch).
 inline int current_sm_count() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
     return 0;
   }
   return sms;

@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 // where the chooser takes it), the slice held in shared memory (spatial * sizeof(T)
 // bytes, rounded up to 16, of dynamic shared memory), so an SM holds as many slices
 // at once as its shared memory and 2,048 threads allow (on an H200 three 64 KB fp32
-// or four 32 KB 16-bit slices of 16,384 values; one above about 113 KB) and one CTA's
+// slices of 16,384 values, six 32 KB 16-bit ones in 128-thread CTAs or four in
+// 512-thread CTAs (block_launch_for); one above about 113 KB) and one CTA's
 // reductions overlap the other CTAs' reads and writes. HBM is read once: 16-byte
 // cp.async copies where the slice starts 16-byte aligned, else scalar loads. Then
 // three passes over shared memory (16-byte reads of the whole vectors, scalar ones of
@@ -465,16 +466,18 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
 // kBlockVectorsPerThread 16-byte vectors of its slice or tile, so large slices take
 // 512-thread CTAs, up to four per SM; dynamic shared memory for the slice (rounded up
 // to 16 bytes) or the channels-last tile (kChannelsLastTileVectors 16-byte vectors per
-// position). Measured on an H200 (docs/perf-notes.md #54, #83, #84), x copy: (32, 256, 64,
-// 64) fp32, 16 KB slices: 128 threads 1.05-1.06, 256 (the vectors rule) 1.15; (2, 320,
-// 128, 128) bf16, 32 KB: 128 threads 1.06-1.08 (six per SM; five 1.07-1.08, four
+// position). Measured on an H200 (docs/perf-notes.md #54, #83, #84), x copy: (32, 256,
+// 64, 64) fp32, 16 KB slices: 128 threads 1.05-1.06, 256 (the vectors rule) 1.15; (2,
+// 320, 128, 128) bf16, 32 KB: 128 threads 1.06-1.08 (six per SM; five 1.07-1.08, four
 // 1.10-1.11), 512 1.10-1.12, 256 1.16-1.18; 64 KB fp32 slices (three per SM): 128
 // threads 1.24-1.29, 256 1.21-1.23, 512 1.08-1.10; 50 KB bf16 (four per SM): 128 and
 // 512 threads 1.16-1.18. With 512 slices (3.9 per SM) 128 threads lost: (8, 64, 100,
 // 100) fp32 (39 KB) 1.11 against 512's 1.07, (8, 64, 148, 148) bf16 1.22-1.23 against
 // 1.19-1.21, (8, 64, 90, 90) fp32 1.20-1.24 against 256's 1.15-1.19; the slices-per-SM
-// bound of 4 lies between those and the 640 slices (4.85 per SM) above. Channels-last
-// tiles keep the vectors rule (not measured).
+// bound of 4 lies between those and the 640 slices (4.85 per SM) above. Those three
+// slices are also 31-43 KB, near the five-per-SM bound, so size and count are not
+// separated; (4, 64, 96, 96) bf16 (256 slices), which the bound now excludes, tied
+// (1.20 against 1.20-1.23). Channels-last tiles keep the vectors rule (not measured).
 struct BlockLaunch {
   void (*kernel)(const ForwardProblem);
   int threads;
@@ -510,7 +513,8 @@ BlockLaunch block_launch_for(const ForwardProblem& p) {
     }
     return {forward_block_kernel<T, kThreads>, kThreads, shared_bytes};
   };
-  if (p.layout == Layout::kContiguous && p.num_slices() >= int64_t{kBlockSmallMinSlicesPerSm} * current_sm_count()) {
+  const int sms = current_sm_count();
+  if (p.layout == Layout::kContiguous && sms > 0 && p.num_slices() >= int64_t{kBlockSmallMinSlicesPerSm} * sms) {
     const BlockLaunch small = launch(cuda::std::integral_constant<int, 128>());
     if (ctas_per_sm(reinterpret_cast<const void*>(small.kernel), small.threads, shared_bytes) >= kBlockSmallCtasPerSm) {
       return small;

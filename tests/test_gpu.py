@@ -85,12 +85,13 @@ def expected_paths(shape, dtype):
 # pipelined teams over more rounds than their totals rotate through (8): 797 slices of
 # 20,000 (fp32: two CTAs per slice, the second partly filled, 66 teams of up to 13
 # rounds) and 192 slices of 64^3 (fp32: 8 teams of 16 CTAs, 24 rounds; 16-bit: 16
-# teams of 8, 12 rounds).
+# teams of 8, 12 rounds); 640 slices of 4,096 values (the block path's 128-thread CTAs
+# for 16 KB fp32 slices, chosen from 4 slices per SM).
 SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64, 64), (2, 3, 33, 31), (2, 3, 45, 45),
           (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 210, 210), (2, 3, 301, 301), (2, 3, 512, 512),
           (1, 3, 724, 724), (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96),
           (1, 2, 64, 64, 64), (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4), (1, 797, 100, 200),
-          (3, 64, 64, 64, 64)]
+          (3, 64, 64, 64, 64), (2, 320, 64, 64)]
 
 
 def shape_id(shape):

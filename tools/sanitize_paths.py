@@ -2,10 +2,11 @@
 
     compute-sanitizer --tool memcheck python tools/sanitize_paths.py
 
-Shapes cover the warp path, the block path (CTAs of 128 and 512 threads; 45 x 45
-slices start at every alignment; one CTA per SM on 210 x 210 fp32 slices of 172 KB and
-300 x 300 and 301 x 301 bf16 ones of 176-177 KB; channels-last 24-channel tiles, the
-last partial in bf16, CTAs of 128, 256 (24 x 24) and 512 threads), full and partly
+Shapes cover the warp path, the block path (CTAs of 128 threads, also for 640 fp32
+slices of 16 KB, chosen from 4 slices per SM; 512; 256 for the misaligned view; 45 x
+45 slices start at every alignment; one CTA per SM on 210 x 210 fp32 slices of 172 KB
+and 300 x 300 and 301 x 301 bf16 ones of 176-177 KB; channels-last 24-channel tiles,
+the last partial in bf16, CTAs of 128, 256 (24 x 24) and 512 threads), full and partly
 filled clusters, a 16-CTA cluster, odd sizes, more slices than resident teams (150 of
 25,600 values: the backward's resident teams go round twice with 6-13 dy vectors per
 thread; the pipelined path's teams take 3 rounds, 10 on 1,200 slices of 1,024 values
@@ -28,7 +29,7 @@ from reference import BACKWARD_GENERIC, PIPELINED, channels_last, float64_refere
 
 SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (2, 3, 45, 45), (2, 2, 128, 128), (1, 2, 301, 301),
           (1, 2, 724, 724), (3, 5, 7, 7), (1, 2, 1030, 1030), (3, 50, 160, 160),
-          (1, 2, 210, 210), (2, 24, 20, 20), (1, 24, 24, 24), (1, 24, 48, 48), (4, 300, 32, 32)]
+          (1, 2, 210, 210), (2, 24, 20, 20), (1, 24, 24, 24), (1, 24, 48, 48), (4, 300, 32, 32), (2, 320, 64, 64)]
 
 
 def close(out, reference, dtype):
