@@ -17,7 +17,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import solution  # noqa: E402
 
 SHAPES = ((2, 1280, 16, 16), (2, 640, 32, 32), (2, 320, 128, 128))
 
@@ -40,6 +39,11 @@ def main():
     parser.add_argument("--calls", type=int, default=200, help="timed calls per shape and module")
     parser.add_argument("--frozen-affine", action="store_true", help="affine modules with frozen weight and bias")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("tools/host_time.py needs a CUDA GPU and none is visible.", file=sys.stderr)
+        return 2
+    import solution  # builds the extension on first use
+
     for shape in SHAPES:
         x = torch.randn(shape, device="cuda", requires_grad=True)
         dy = torch.randn(shape, device="cuda")
@@ -53,4 +57,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
