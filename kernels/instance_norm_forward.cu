@@ -460,31 +460,31 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
 }
 
 // The block path's launch: 128-thread CTAs for contiguous slices whose copy lets
-// kBlockSmallCtasPerSm or more of them share an SM (on an H200 slices up to about 44
-// KB) where there are at least kBlockSmallMinSlicesPerSm slices per SM; else CTAs of
-// 128, 256 or 512 threads, the largest that gives each thread at least
-// kBlockVectorsPerThread 16-byte vectors of its slice or tile, so large slices take
-// 512-thread CTAs, up to four per SM; dynamic shared memory for the slice (rounded up
-// to 16 bytes) or the channels-last tile (kChannelsLastTileVectors 16-byte vectors per
-// position). Measured on an H200 (docs/perf-notes.md #54, #83, #84), x copy: (32, 256,
-// 64, 64) fp32, 16 KB slices: 128 threads 1.05-1.06, 256 (the vectors rule) 1.15; (2,
-// 320, 128, 128) bf16, 32 KB: 128 threads 1.06-1.08 (six per SM; five 1.07-1.08, four
-// 1.10-1.11), 512 1.10-1.12, 256 1.16-1.18; 64 KB fp32 slices (three per SM): 128
-// threads 1.24-1.29, 256 1.21-1.23, 512 1.08-1.10; 50 KB bf16 (four per SM): 128 and
-// 512 threads 1.16-1.18. With 512 slices (3.9 per SM) 128 threads lost: (8, 64, 100,
-// 100) fp32 (39 KB) 1.11 against 512's 1.07, (8, 64, 148, 148) bf16 1.22-1.23 against
-// 1.19-1.21, (8, 64, 90, 90) fp32 1.20-1.24 against 256's 1.15-1.19; the slices-per-SM
-// bound of 4 lies between those and the 640 slices (4.85 per SM) above. Those three
-// slices are also 31-43 KB, near the five-per-SM bound, so size and count are not
-// separated; (4, 64, 96, 96) bf16 (256 slices), which the bound now excludes, tied
-// (1.20 against 1.20-1.23). Channels-last tiles keep the vectors rule (not measured).
+// kBlockSmallCtasPerSm or more of them share an SM (on an H200 slices up to about 37
+// KB: 9,464 fp32 / 18,928 16-bit values) where there are at least
+// kBlockSmallMinSlicesPerSm slices per SM; else CTAs of 128, 256 or 512 threads, the
+// largest that gives each thread at least kBlockVectorsPerThread 16-byte vectors of
+// its slice or tile, so large slices take 512-thread CTAs, up to four per SM; dynamic
+// shared memory for the slice (rounded up to 16 bytes) or the channels-last tile
+// (kChannelsLastTileVectors 16-byte vectors per position). Measured on an H200
+// (docs/perf-notes.md #54, #83-#85), x copy: (32, 256, 64, 64) fp32, 16 KB slices: 128
+// threads 1.05-1.06, 256 (the vectors rule) 1.15; (2, 320, 128, 128) bf16, 32 KB: 128
+// threads 1.06-1.08 (six per SM), 512 1.10-1.12, 256 1.16-1.18; 64 KB fp32 slices
+// (three per SM): 128 threads 1.24-1.29, 512 1.08-1.10. Five per SM is too few: (k,
+// 64, 100, 100) fp32 (39 KB) at 512-1,024 slices, 128 threads 1.08-1.12 against 512's
+// 1.04-1.11, slower in all ten rounds, and (8, 64, 148, 148) bf16 (43 KB, 512 slices)
+// 1.22-1.23 against 1.19-1.21. Below 4 slices per SM the measurements split: (8, 64,
+// 128, 128) bf16 (512 slices) 128 threads 1.14-1.18 against 512's 1.19-1.22, (8, 64,
+// 90, 90) fp32 (512 slices of 31.6 KB) 1.23-1.24 against 256's 1.17-1.19; at 128-384
+// slices mostly within the noise.
+// Channels-last tiles keep the vectors rule (not measured).
 struct BlockLaunch {
   void (*kernel)(const ForwardProblem);
   int threads;
   int shared_bytes;
 };
 constexpr int kBlockVectorsPerThread = 4;
-constexpr int kBlockSmallCtasPerSm = 5;
+constexpr int kBlockSmallCtasPerSm = 6;
 constexpr int kBlockSmallMinSlicesPerSm = 4;
 constexpr int kChannelsLastTileVectors = 2;  // 32-byte rows: 8 fp32 or 16 fp16/bf16 channels
 // Larger slices never take the block path (no GPU has this much shared memory per CTA).
