@@ -469,14 +469,15 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
 // (kChannelsLastTileVectors 16-byte vectors per position). Measured on an H200
 // (docs/perf-notes.md #54, #83-#85), x copy: (32, 256, 64, 64) fp32, 16 KB slices: 128
 // threads 1.05-1.06, 256 (the vectors rule) 1.15; (2, 320, 128, 128) bf16, 32 KB: 128
-// threads 1.06-1.08 (six per SM), 512 1.10-1.12, 256 1.16-1.18; 64 KB fp32 slices
-// (three per SM): 128 threads 1.24-1.29, 512 1.08-1.10. Five per SM is too few: (k,
-// 64, 100, 100) fp32 (39 KB) at 512-1,024 slices, 128 threads 1.08-1.12 against 512's
-// 1.04-1.11, slower in all ten rounds, and (8, 64, 148, 148) bf16 (43 KB, 512 slices)
-// 1.22-1.23 against 1.19-1.21. Below 4 slices per SM the measurements split: (8, 64,
-// 128, 128) bf16 (512 slices) 128 threads 1.14-1.18 against 512's 1.19-1.22, (8, 64,
-// 90, 90) fp32 (512 slices of 31.6 KB) 1.23-1.24 against 256's 1.17-1.19; at 128-384
-// slices mostly within the noise.
+// threads 1.06-1.09 (six per SM), 512 1.10-1.12, 256 1.16-1.18; 64 KB fp32 slices
+// (three per SM): 128 threads 1.24-1.29, 512 1.08-1.10. Five per SM is too few: (10,
+// 64, 148, 148) bf16 (43 KB, 640 slices) 128 threads 1.15 against 512's 1.11-1.12; (k,
+// 64, 100, 100) fp32 (39 KB, 512-1,024 slices) 1.08-1.12 against 1.04-1.11 in a sweep
+// (slower in all ten rounds), a tie in another call (1.06-1.09 against 1.07-1.09).
+// Below 4 slices per SM the measurements split: (8, 64, 128, 128) bf16 (512 slices)
+// 128 threads 1.14-1.18 against 512's 1.19-1.22, (8, 64, 90, 90) fp32 (512 slices of
+// 31.6 KB) 1.23-1.24 against 256's 1.17-1.19; at 128-384 slices mostly within the
+// noise.
 // Channels-last tiles keep the vectors rule (not measured).
 struct BlockLaunch {
   void (*kernel)(const ForwardProblem);
