@@ -66,6 +66,21 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   }
 }
 
+// Whether M2 = S2 - S1 * mean_d from the sums S1 of d and S2 of d^2 (one sweep over
+// the slice) is as accurate as the block path needs: where the shift lies within
+// kShiftedSumsMaxShiftStds standard deviations of the slice's mean, mean_d^2 <= 4
+// var_d. The error bound of this shifted textbook formula is about (1 + mean_d^2 /
+// var_d) times that of the sums, n u for n values (Chan, Golub & LeVeque,
+// "Algorithms for computing the sample variance: analysis and recommendations", The
+// American Statistician 37, 1983), so here at most about 5 times that of the M2 of d
+// about its mean. Where the shift is farther out (an outlier as the slice's first
+// value), where cancellation leaves m2 negative, and for NaN or Inf, the caller takes
+// the M2 about the mean in another sweep. With Gaussian data about 5% of slices do.
+constexpr float kShiftedSumsMaxShiftStds = 2.f;
+__device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float m2, float count) {
+  return mean_d * mean_d * count <= kShiftedSumsMaxShiftStds * kShiftedSumsMaxShiftStds * m2;
+}
+
 // Block path: one CTA per slice (block_fits below says where it runs, block_preferred
 // where the chooser takes it), the slice held in shared memory (spatial * sizeof(T)
 // bytes, rounded up to 16, of dynamic shared memory), so an SM holds as many slices
@@ -74,16 +89,26 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 // 512-thread CTAs (block_launch_for); one above about 113 KB) and one CTA's
 // reductions overlap the other CTAs' reads and writes. HBM is read once: 16-byte
 // cp.async copies where the slice starts 16-byte aligned, else scalar loads. Then
-// three passes over shared memory (16-byte reads of the whole vectors, scalar ones of
-// the fewer than 8 values after them): the sum of d, the M2 of d about its mean, and
-// y = d * scale + (bias - mean * scale), d = (x - shift) * k (SliceShift), as on the
-// resident paths. Grid-stride over slices, any alignment and GPU.
+// sweeps over shared memory (16-byte reads of the whole vectors, scalar ones of the
+// fewer than 8 values after them), with d = (x - shift) * k (SliceShift) as on the
+// resident paths: the sums of d and d^2 in one sweep, M2 = S2 - S1 * mean_d where
+// shifted_sums_m2_is_accurate (else a sweep for the M2 of d about its mean), and
+// y = d * scale + (bias - mean * scale). The sweeps' instructions count here: on an
+// H200 one sweep for both sums instead of a sweep each took (2, 320, 128, 128) bf16
+// from 16.3 to 15.8-15.9 us and (8, 64, 160, 160) bf16 from 19.9-20.2 to 17.8-18.0
+// us, while per-vector Chan merges (one sweep fewer, more instructions) were 25-40%
+// slower (docs/perf-notes.md #88, #90).
+// Grid-stride over slices, any alignment and GPU.
 template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardProblem p) {
+__global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(const ForwardProblem p) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
+  using SumsReduce = BlockAllReduce<float2, THREADS, SumFloat2>;
   using Reduce = BlockAllReduce<float, THREADS, Sum>;
-  __shared__ typename Reduce::TempStorage storage;
+  __shared__ union {
+    typename SumsReduce::TempStorage sums;
+    typename Reduce::TempStorage m2;
+  } storage;
   extern __shared__ uint4 slice_vectors[];  // the slice, from element 0
   T* const slice_values = reinterpret_cast<T*>(slice_vectors);
   const int spatial = static_cast<int>(p.spatial);
@@ -116,15 +141,25 @@ __global__ void __launch_bounds__(THREADS) forward_block_kernel(const ForwardPro
     }
     __syncthreads();
     const SliceShift shift = SliceShift::of(S::to_float(slice_values[0]));
-    float sum = 0.f;
-    for_each_value([&](float x) { sum += shift.apply(x); });
-    const float mean = Reduce::allreduce(sum, storage) / static_cast<float>(spatial);
-    float m2 = 0.f;
+    float2 sums = make_float2(0.f, 0.f);  // of d and d^2
     for_each_value([&](float x) {
-      const float deviation = shift.apply(x) - mean;
-      m2 += deviation * deviation;
+      const float d = shift.apply(x);
+      sums.x += d;
+      sums.y = __fmaf_rn(d, d, sums.y);
     });
-    const float rstd = shift.rstd_of_d(Reduce::allreduce(m2, storage), static_cast<float>(spatial), p.eps);
+    sums = SumsReduce::allreduce(sums, storage.sums);
+    const float count = static_cast<float>(spatial);
+    const float mean = sums.x / count;  // of d
+    float m2 = sums.y - sums.x * mean;
+    if (!shifted_sums_m2_is_accurate(mean, m2, count)) {  // uniform: every thread has the same sums
+      float centered = 0.f;
+      for_each_value([&](float x) {
+        const float deviation = shift.apply(x) - mean;
+        centered += deviation * deviation;
+      });
+      m2 = Reduce::allreduce(centered, storage.m2);
+    }
+    const float rstd = shift.rstd_of_d(m2, count, p.eps);
     if (threadIdx.x == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     const float2 affine = slice_affine(p, slice);
     const float scale = rstd * affine.x;

@@ -236,6 +236,38 @@ def test_fp32_spread_of_two_ulps_keeps_rstd(solution):
                                        msg=f"{shape} path {path}: rstd")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_block_path_first_value_far_from_the_mean(solution, dtype):
+    """The block path takes M2 from the sums of d and d^2 (d = x - the slice's first
+    value) where that first value lies within 2 standard deviations of the slice's
+    mean, else from another sweep about the mean (shifted_sums_m2_is_accurate in
+    kernels/instance_norm_forward.cu). With the first value 0 to 1e4 standard
+    deviations out on either side, across that bound, rstd stays within 1e-5 of
+    float64's and the output within the dtype's tolerance (relative for the outliers,
+    which normalize to |y| up to about 100)."""
+    torch.manual_seed(23)
+    offsets = torch.tensor([0.0, 1.0, 1.9, 2.1, 3.0, 10.0, 100.0, 1e4], device="cuda")
+    for shape in ((2, 8, 64, 64), (2, 8, 99, 99)):  # slices of whole vectors, and not (unaligned)
+        x = torch.randn(shape, device="cuda")
+        rest = x.flatten(2)[..., 1:]
+        sign = torch.tensor([1.0, -1.0], device="cuda").view(2, 1)
+        x[..., 0, 0] = rest.mean(2) + sign * offsets * rest.std(2)
+        x = x.to(dtype)
+        assert BLOCK in paths_for(solution, x)
+        reference = float64_reference(x)
+        mean64, var64 = float64_stats(x)
+        out, mean, rstd = run_poisoned(lambda: solution._EXT.forward_with_stats(x, path=BLOCK), x)
+        # The outliers normalize to |y| up to about 100: their error is relative.
+        torch.testing.assert_close(out.double(), reference, atol=TOLERANCE[dtype],
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2, msg=f"{shape}: output")
+        torch.testing.assert_close(rstd.double().view_as(var64), torch.rsqrt(var64 + 1e-5), rtol=1e-5, atol=0,
+                                   msg=f"{shape}: rstd")
+        # The mean is a sum of d, about 1e4 each beside the 1e4 outlier: its error, in the
+        # slice's standard deviations.
+        mean_error = ((mean.double().view_as(mean64) - mean64).abs() / var64.sqrt()).max().item()
+        assert mean_error <= 1e-4, f"{shape}: mean off by {mean_error:.3g} standard deviations"
+
+
 def test_empty_input_runs_on_every_path(solution):
     """No slices or no values: every forced path accepts the input and returns an
     empty output of its shape (no kernel runs, no workspace is sized)."""
