@@ -96,7 +96,7 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // y = d * scale + (bias - mean * scale). The sweeps' instructions count here: on an
 // H200 one sweep for both sums instead of a sweep each took (2, 320, 128, 128) bf16
 // from 16.3 to 15.8-15.9 us and (8, 64, 160, 160) bf16 from 19.9-20.2 to 17.8-18.0
-// us, while per-vector Chan merges (one sweep fewer, more instructions) were 25-40%
+// us, while per-vector Chan merges (one sweep fewer, more instructions) were 10-45%
 // slower (docs/perf-notes.md #88, #90).
 // Grid-stride over slices, any alignment and GPU.
 template <typename T, int THREADS>
