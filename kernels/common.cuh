@@ -345,8 +345,9 @@ struct Sum {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
 
-// Sums of two values per slice (the backward's sum(dy) and sum(dy * xhat)). Float
-// addition is commutative bit for bit, so the butterflies below stay symmetric.
+// Sums of two values per slice (the backward's sum(dy) and sum(dy * xhat), the block
+// path's sums of d and d^2). Float addition is commutative bit for bit, so the
+// butterflies below stay symmetric.
 struct SumFloat2 {
   __device__ __forceinline__ float2 operator()(const float2& a, const float2& b) const {
     return make_float2(a.x + b.x, a.y + b.y);

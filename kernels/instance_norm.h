@@ -27,7 +27,7 @@ enum class ForwardPath : int {
   kAuto = 0,
   // One CTA per slice, the slice held in shared memory (read once). Contiguous, any
   // alignment and GPU, slices whose copy fits one CTA (on an H200 up to about 58,000
-  // fp32 or 116,000 fp16/bf16 values; two or more CTAs per SM up to 28,904 / 57,808
+  // fp32 or 116,000 fp16/bf16 values; two or more CTAs per SM up to 28,888 / 57,776
   // values, one CTA per SM above); chosen where two or more CTAs fit an SM, and above
   // that unless a resident team of one CTA holds the slice (block_preferred).
   // Channels-last: one CTA per tile of 8 fp32 or 16 fp16/bf16 channels of one image

@@ -70,15 +70,16 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 // the slice) is as accurate as the block path needs: where the shift lies within
 // kShiftedSumsMaxShiftStds standard deviations of the slice's mean, mean_d^2 <= 4
 // var_d. The error bound of this shifted textbook formula is about (1 + mean_d^2 /
-// var_d) times that of the sums, n u for n values (Chan, Golub & LeVeque,
-// "Algorithms for computing the sample variance: analysis and recommendations", The
-// American Statistician 37, 1983), so here at most about 5 times that of the M2 of d
-// about its mean. Where the shift is farther out (an outlier as the slice's first
-// value), where cancellation leaves m2 negative, and for NaN or Inf, the caller takes
-// the M2 about the mean in another sweep. With Gaussian data about 5% of slices do.
+// var_d) times that of the sums (Chan, Golub & LeVeque, "Algorithms for computing
+// the sample variance: analysis and recommendations", The American Statistician 37,
+// 1983), so here at most about 5 times the bound of the M2 of d about its mean. Where
+// the shift is farther out (an outlier as the slice's first value), where
+// cancellation leaves m2 negative, where S2 overflowed (m2 = Inf while the M2 about
+// the mean may be finite), and for NaN, the caller takes the M2 about the mean in
+// another sweep. With Gaussian data about 5% of slices do.
 constexpr float kShiftedSumsMaxShiftStds = 2.f;
 __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float m2, float count) {
-  return mean_d * mean_d * count <= kShiftedSumsMaxShiftStds * kShiftedSumsMaxShiftStds * m2;
+  return isfinite(m2) && mean_d * mean_d * count <= kShiftedSumsMaxShiftStds * kShiftedSumsMaxShiftStds * m2;
 }
 
 // Block path: one CTA per slice (block_fits below says where it runs, block_preferred
@@ -93,11 +94,14 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // fewer than 8 values after them), with d = (x - shift) * k (SliceShift) as on the
 // resident paths: the sums of d and d^2 in one sweep, M2 = S2 - S1 * mean_d where
 // shifted_sums_m2_is_accurate (else a sweep for the M2 of d about its mean), and
-// y = d * scale + (bias - mean * scale). The sweeps' instructions count here: on an
-// H200 one sweep for both sums instead of a sweep each took (2, 320, 128, 128) bf16
-// from 16.3 to 15.8-15.9 us and (8, 64, 160, 160) bf16 from 19.9-20.2 to 17.8-18.0
-// us, while per-vector Chan merges (one sweep fewer, more instructions) were 10-45%
-// slower (docs/perf-notes.md #88, #90).
+// y = d * scale + (bias - mean * scale). On an H200 one sweep for both sums instead of
+// a sweep each (a sweep, a block reduction and about 3 of 7 instructions per value
+// fewer; which of them counts was not separated) took (2, 320, 128, 128) bf16 from
+// 16.3 to 15.8-15.9 us and (8, 64, 160, 160) bf16 from 19.9-20.2 to 17.8-18.0 us,
+// while per-vector Chan merges (one sweep fewer, many more instructions) were 10-45%
+// slower (docs/perf-notes.md #88, #90). 2048 / THREADS CTAs per SM in the launch
+// bounds hold the kernel at 32 registers (without them ptxas takes 40-63 in four of
+// the nine, and fewer 512-thread CTAs than the shared memory allows would fit an SM).
 // Grid-stride over slices, any alignment and GPU.
 template <typename T, int THREADS>
 __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(const ForwardProblem p) {
@@ -594,7 +598,7 @@ bool block_fits(const ForwardProblem& p) { return block_input_supported(p) && bl
 
 // Where the chooser gives a slice the block path (measured on an H200,
 // docs/perf-notes.md #54, #55, #59). Slices whose copies leave room for two or more
-// CTAs per SM (up to about 113 KB: 28,904 fp32 or 57,808 16-bit values): one CTA's
+// CTAs per SM (up to about 113 KB: 28,888 fp32 or 57,776 16-bit values): one CTA's
 // reductions overlap another's reads and writes. Larger ones run one CTA per SM:
 // faster than a cluster of two or more CTAs (and than the split path's two reads),
 // slower than a resident team of one CTA, whose slice sits in registers, where there

@@ -242,9 +242,10 @@ def test_block_path_first_value_far_from_the_mean(solution, dtype):
     value) where that first value lies within 2 standard deviations of the slice's
     mean, else from another sweep about the mean (shifted_sums_m2_is_accurate in
     kernels/instance_norm_forward.cu). With the first value 0 to 1e4 standard
-    deviations out on either side, across that bound, rstd stays within 1e-5 of
-    float64's and the output within the dtype's tolerance (relative for the outliers,
-    which normalize to |y| up to about 100)."""
+    deviations of the other values out on either side (at most sqrt(n - 1), 64 and 99
+    here, of the slice's own), across that bound, rstd stays within 1e-5 of float64's
+    and the output within the dtype's tolerance (relative for the outliers, which
+    normalize to |y| up to about 100)."""
     torch.manual_seed(23)
     offsets = torch.tensor([0.0, 1.0, 1.9, 2.1, 3.0, 10.0, 100.0, 1e4], device="cuda")
     for shape in ((2, 8, 64, 64), (2, 8, 99, 99)):  # slices of whole vectors, and not (unaligned)
@@ -266,6 +267,27 @@ def test_block_path_first_value_far_from_the_mean(solution, dtype):
         # slice's standard deviations.
         mean_error = ((mean.double().view_as(mean64) - mean64).abs() / var64.sqrt()).max().item()
         assert mean_error <= 1e-4, f"{shape}: mean off by {mean_error:.3g} standard deviations"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_squares_about_the_first_value_overflowing_fp32(solution, dtype):
+    """2.5e17 * (1 + randn) after a first value of 0: the squares of d = x - x[0] sum to
+    about 5e38, past fp32's range, while the M2 about the mean (about 2.6e38) is not.
+    Every path and layout stays finite and matches float64; the block path's shifted
+    sums see S2 = Inf and take the sweep about the mean (shifted_sums_m2_is_accurate)."""
+    torch.manual_seed(29)
+    x = 2.5e17 * (1 + torch.randn(2, 8, 64, 64, device="cuda"))
+    x[..., 0, 0] = 0
+    x = x.to(dtype)
+    reference = float64_reference(x)
+    for layout in (x, channels_last(x)):
+        paths = paths_for(solution, layout)
+        assert BLOCK in paths
+        for path in paths:
+            out = solution._EXT.forward(layout, path=path)
+            assert torch.isfinite(out).all(), f"path {path}"
+            error = (out.double() - reference).abs().max().item()
+            assert error <= TOLERANCE[dtype], f"path {path}: max abs error {error:.3g}"
 
 
 def test_empty_input_runs_on_every_path(solution):
