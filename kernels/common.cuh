@@ -715,15 +715,18 @@ inline int ctas_per_sm(const void* kernel, int threads, int shared_bytes) {
   });
 }
 
-// The current device's SM count (0 where the query fails; its error is cleared so a
+// `device`'s SM count (0 where the query fails).
+inline int sm_count(int device) {
+  int sms = 0;
+  return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? sms : 0;
+}
+
+// The current device's SM count (0 where a query fails; its error is cleared so a
 // later cudaGetLastError() reports only the launch).
 inline int current_sm_count() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
+  int device = 0;
+  const int sms = cudaGetDevice(&device) == cudaSuccess ? sm_count(device) : 0;
+  if (sms == 0) cudaGetLastError();
   return sms;
 }
 
@@ -759,10 +762,11 @@ inline int max_active_clusters(const void* kernel, int threads, int shared_bytes
 // needs_sm90. Sets the kernel's shared-memory attribute the launch needs. Cached.
 inline int max_resident_ctas(const void* kernel, int threads, int shared_bytes, bool needs_sm90) {
   return cached_occupancy(kernel, 0, [&](int device) {
-    int per_sm = 0, sms = 0, cooperative = 0;
+    int per_sm = 0, cooperative = 0;
+    const int sms = sm_count(device);
     if ((needs_sm90 && !is_sm90_or_newer(device)) ||
         cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess || !cooperative ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        sms == 0 ||
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
       per_sm = 0;
