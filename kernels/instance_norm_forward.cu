@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 }
 
 // Whether M2 = S2 - S1 * mean_d from the sums S1 of d and S2 of d^2 (one sweep over
-// the slice) is as accurate as the block path needs: where the shift lies within
+// the slice) is as accurate as the block paths need: where the shift lies within
 // kShiftedSumsMaxShiftStds standard deviations of the slice's mean, mean_d^2 <= 4
 // var_d. The error bound of this shifted textbook formula is about (1 + mean_d^2 /
 // var_d) times that of the sums (Chan, Golub & LeVeque, "Algorithms for computing
@@ -198,8 +198,13 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
 // Each channel's sums go through an xor butterfly over its column's lanes of a warp,
 // then the warps' totals in order through shared memory (a fixed order: run-to-run
 // identical). Statistics of d = (x - shift) * k per channel, shift = the slice's
-// value at position 0 (SliceShift), as on the other paths. Needs num_channels a
-// multiple of the vector (4 fp32 or 8 fp16/bf16 values) and 16-byte aligned x and y.
+// value at position 0 (SliceShift), as on the other paths: the sums of d and d^2 in
+// one sweep, then, where any active channel of the tile fails
+// shifted_sums_m2_is_accurate, a sweep for the M2 about the mean for the whole tile
+// (on an H200 one sweep instead of two took (8, 256, 56, 56) bf16 from 20.6-21.0 to
+// 19.7-19.9 us and fp32 from 26.2-26.5 to 25.7-25.9 us, docs/perf-notes.md #91).
+// Needs num_channels a multiple of the vector (4 fp32 or 8 fp16/bf16 values) and
+// 16-byte aligned x and y.
 template <typename T, int THREADS, int V>
 __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channels_last_kernel(const ForwardProblem p) {
   using S = Storage<T>;
@@ -271,22 +276,39 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
       }
     };
     float mean[kPer] = {};
-    for_each_vector([&](int, const float(&values)[kPer]) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) mean[k] += shift[k].apply(values[k]);
-    });
-    column_allreduce(mean);
     float m2[kPer] = {};
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) mean[k] /= static_cast<float>(spatial);
     for_each_vector([&](int, const float(&values)[kPer]) {
 #pragma unroll
       for (int k = 0; k < kPer; ++k) {
-        const float deviation = shift[k].apply(values[k]) - mean[k];
-        m2[k] += deviation * deviation;
+        const float d = shift[k].apply(values[k]);
+        mean[k] += d;
+        m2[k] = __fmaf_rn(d, d, m2[k]);
       }
     });
+    column_allreduce(mean);
     column_allreduce(m2);
+    // A count of the channels that fail the test, not a bool: with a bool flag, ptxas
+    // (nvcc 13.0) spilled 8 bytes in 16-bit kernels on sm_80 (64 registers).
+    const float count = static_cast<float>(spatial);
+    int inaccurate = 0;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      m2[k] -= mean[k] * (mean[k] / count);
+      mean[k] /= count;
+      inaccurate += !shifted_sums_m2_is_accurate(mean[k], m2[k], count);
+    }
+    if (__syncthreads_or(active ? inaccurate : 0)) {  // the M2 sweep about the mean for the whole tile
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) m2[k] = 0.f;
+      for_each_vector([&](int, const float(&values)[kPer]) {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          const float deviation = shift[k].apply(values[k]) - mean[k];
+          m2[k] += deviation * deviation;
+        }
+      });
+      column_allreduce(m2);
+    }
     // y = d * scale_d + offset per channel, as on the contiguous block path, computed as
     // (x - shift) * (k * scale_d) + offset: the same rounding (d = k * (x - shift)
     // rounded, k a power of two), three registers per channel instead of four (16-bit

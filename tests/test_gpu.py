@@ -236,28 +236,42 @@ def test_fp32_spread_of_two_ulps_keeps_rstd(solution):
                                        msg=f"{shape} path {path}: rstd")
 
 
+# (path, layout, shapes) for the first-value test: slices of whole vectors and not
+# (unaligned); channels-last tiles need whole vectors of channels and fit 64 x 64.
+FIRST_VALUE_CASES = {
+    "block": (BLOCK, False, ((2, 8, 64, 64), (2, 8, 99, 99))),
+    "block-channels-last": (BLOCK, True, ((2, 8, 64, 64),)),
+    "warp": (WARP, False, ((2, 8, 16, 16), (2, 8, 23, 23))),
+}
+
+
+@pytest.mark.parametrize("case", FIRST_VALUE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_block_path_first_value_far_from_the_mean(solution, dtype):
-    """The block path takes M2 from the sums of d and d^2 (d = x - the slice's first
-    value) where that first value lies within 2 standard deviations of the slice's
-    mean, else from another sweep about the mean (shifted_sums_m2_is_accurate in
+def test_first_value_far_from_the_mean(solution, dtype, case):
+    """The statistics of d = x - the slice's first value (SliceShift) are exact
+    however far that first value lies from the slice's mean: where a path takes M2
+    from the sums of d and d^2, it takes another sweep about the mean once the shift
+    is more than 2 standard deviations out (shifted_sums_m2_is_accurate in
     kernels/instance_norm_forward.cu). With the first value 0 to 1e4 standard
-    deviations of the other values out on either side (at most sqrt(n - 1), 64 and 99
-    here, of the slice's own), across that bound, rstd stays within 1e-5 of float64's
-    and the output within the dtype's tolerance (relative for the outliers, which
-    normalize to |y| up to about 100)."""
+    deviations of the other values out on either side (at most sqrt(n - 1), 16 to 99
+    here, of the slice's own), across that bound, rstd stays within 1e-5 of
+    float64's and the output within the dtype's tolerance (relative for the outliers,
+    which normalize to |y| up to about 100)."""
+    path, as_channels_last, shapes = FIRST_VALUE_CASES[case]
     torch.manual_seed(23)
     offsets = torch.tensor([0.0, 1.0, 1.9, 2.1, 3.0, 10.0, 100.0, 1e4], device="cuda")
-    for shape in ((2, 8, 64, 64), (2, 8, 99, 99)):  # slices of whole vectors, and not (unaligned)
+    for shape in shapes:
         x = torch.randn(shape, device="cuda")
         rest = x.flatten(2)[..., 1:]
         sign = torch.tensor([1.0, -1.0], device="cuda").view(2, 1)
         x[..., 0, 0] = rest.mean(2) + sign * offsets * rest.std(2)
         x = x.to(dtype)
-        assert BLOCK in paths_for(solution, x)
+        if as_channels_last:
+            x = channels_last(x)
+        assert path in paths_for(solution, x)
         reference = float64_reference(x)
         mean64, var64 = float64_stats(x)
-        out, mean, rstd = run_poisoned(lambda: solution._EXT.forward_with_stats(x, path=BLOCK), x)
+        out, mean, rstd = run_poisoned(lambda: solution._EXT.forward_with_stats(x, path=path), x)
         # The outliers normalize to |y| up to about 100: their error is relative.
         torch.testing.assert_close(out.double(), reference, atol=TOLERANCE[dtype],
                                    rtol=1e-5 if dtype == torch.float32 else 1e-2, msg=f"{shape}: output")
@@ -273,8 +287,9 @@ def test_block_path_first_value_far_from_the_mean(solution, dtype):
 def test_squares_about_the_first_value_overflowing_fp32(solution, dtype):
     """2.5e17 * (1 + randn) after a first value of 0: the squares of d = x - x[0] sum to
     about 5e38, past fp32's range, while the M2 about the mean (about 2.6e38) is not.
-    Every path and layout stays finite and matches float64; the block path's shifted
-    sums see S2 = Inf and take the sweep about the mean (shifted_sums_m2_is_accurate)."""
+    Every path and layout stays finite and matches float64; the block paths' shifted
+    sums (contiguous and channels-last) see S2 = Inf and take the sweep about the mean
+    (shifted_sums_m2_is_accurate)."""
     torch.manual_seed(29)
     x = 2.5e17 * (1 + torch.randn(2, 8, 64, 64, device="cuda"))
     x[..., 0, 0] = 0
