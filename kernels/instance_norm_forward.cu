@@ -201,8 +201,9 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
 // value at position 0 (SliceShift), as on the other paths: the sums of d and d^2 in
 // one sweep, then, where any active channel of the tile fails
 // shifted_sums_m2_is_accurate, a sweep for the M2 about the mean for the whole tile
-// (on an H200 one sweep instead of two took (8, 256, 56, 56) bf16 from 20.6-21.0 to
-// 19.7-19.9 us and fp32 from 26.2-26.5 to 25.7-25.9 us, docs/perf-notes.md #91).
+// (on an H200 one sweep instead of two took (8, 256, 56, 56) bf16 from 20.5-21.0 to
+// 19.7-20.1 us in 7 rounds and fp32 from 26.1-26.5 to 25.5-25.9 us in 5 of 7,
+// docs/perf-notes.md #91).
 // Needs num_channels a multiple of the vector (4 fp32 or 8 fp16/bf16 values) and
 // 16-byte aligned x and y.
 template <typename T, int THREADS, int V>
