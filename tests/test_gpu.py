@@ -248,7 +248,7 @@ FIRST_VALUE_CASES = {
 @pytest.mark.parametrize("case", FIRST_VALUE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_first_value_far_from_the_mean(solution, dtype, case):
-    """The statistics of d = x - the slice's first value (SliceShift) are exact
+    """The statistics of d = x - the slice's first value (SliceShift) stay accurate
     however far that first value lies from the slice's mean: where a path takes M2
     from the sums of d and d^2, it takes another sweep about the mean once the shift
     is more than 2 standard deviations out (shifted_sums_m2_is_accurate in
