@@ -1,7 +1,7 @@
 // Host API of the InstanceNorm CUDA kernels (pure CUDA C++, no PyTorch types).
 // Forward: instance_norm_forward.cu (the paths and their choice) and
-// instance_norm_split.cu (the split path, any layout, and the eval sweep); backward:
-// instance_norm_backward.cu.
+// instance_norm_split.cu (the split path, any layout, the eval sweep and the
+// per-channel reductions over n); backward: instance_norm_backward.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -167,6 +167,12 @@ struct BackwardProblem {
 
   __host__ __device__ int64_t num_slices() const { return batch * num_channels; }
 };
+
+// The parameter gradients from backward's per-slice sums, summed over n in a fixed
+// order: grad_weight[c] = sum_n sum_dy_xhat[n, c], grad_bias[c] = sum_n sum_dy[n, c].
+// grad_weight, grad_bias: [channels] float32 out; the sums: [batch * channels] float32.
+cudaError_t parameter_gradients(float* grad_weight, float* grad_bias, const float* sum_dy_xhat, const float* sum_dy,
+                                int64_t batch, int64_t channels, cudaStream_t stream);
 
 BackwardPath choose_backward_path(const BackwardProblem& problem);
 bool backward_path_supported(BackwardPath path, const BackwardProblem& problem);

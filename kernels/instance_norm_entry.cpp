@@ -1,32 +1,328 @@
-// PyTorch entry point: checks arguments, then launches the kernels of
-// instance_norm.h on the current stream of the input's device.
+// PyTorch face of the kernels in instance_norm.h, in four layers, each with one job:
+//
+//   1. instance_norm(...): the front that Python calls (directly in eager mode, as
+//      the op instance_norm_cuda::instance_norm under torch.compile). It holds the
+//      one validation of user arguments, sends CPU and float64 inputs to PyTorch's
+//      own op, and otherwise calls the ops below through the dispatcher.
+//   2. Autograd kernels (DispatchKey Autograd): torch::autograd::Function subclasses
+//      around the forward ops, serving eager mode and torch.compile alike.
+//   3. CUDA kernels of the ops: allocate outputs and workspace, launch on the
+//      current stream of the input's device.
+//   4. A test interface (pybind11, not ops) that forces kernel paths and queries
+//      the path chooser, for tests/, bench.py and check.py.
+//
+// Fake (meta) kernels of the ops, for torch.compile, are registered from solution.py.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "instance_norm.h"
 
 namespace {
 
-// Errors are raised with TORCH_CHECK (RuntimeError) and TORCH_CHECK_TYPE (TypeError),
-// and numbers in messages go through text(): on the H200 machine (torch 2.11, this
-// extension built by g++ 13) every check that fired with an integer streamed into
-// its message, TORCH_CHECK_VALUE or TORCH_CHECK alike, crashed the process
-// (SIGSEGV), while checks whose messages held a device or dtype raised normally
-// (docs/perf-notes.md). The Python front validates first and raises ValueError.
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Stats = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// ---------------------------------------------------------------------------
+// Messages and layouts
+// ---------------------------------------------------------------------------
+
+// Numbers in error messages go through text(): on the H200 machine (torch 2.11, this
+// extension built by g++ 13) a check that streamed an integer into its message
+// crashed the process (SIGSEGV) when it fired, while messages of strings, devices and
+// dtypes raise normally (docs/perf-notes.md).
 template <typename Number>
 std::string text(Number value) {
   return std::to_string(value);
 }
 
-instance_norm::DType storage_dtype(const torch::Tensor& input) {
+std::string text(const c10::SymInt& value) {
+  const std::optional<int64_t> concrete = value.maybe_as_int();
+  return concrete ? std::to_string(*concrete) : std::string("a symbolic size");
+}
+
+std::string sizes_text(const at::Tensor& input) {
+  std::string out = "[";
+  for (int64_t d = 0; d < input.dim(); ++d) out += (d ? ", " : "") + text(input.sym_size(d));
+  return out + "]";
+}
+
+// Dims (0, 2, ..., dim - 1, 1): a tensor is channels-last (torch.channels_last,
+// channels_last_3d, and the same order in 1d) when its permute by these is contiguous.
+std::vector<int64_t> channels_last_order(int64_t dim) {
+  std::vector<int64_t> order{0};
+  for (int64_t d = 2; d < dim; ++d) order.push_back(d);
+  order.push_back(1);
+  return order;
+}
+
+// The one rule for the layouts the kernels read in place: contiguous, else
+// channels-last. Contiguous wins where both hold (C == 1 or spatial == 1).
+std::optional<instance_norm::Layout> native_layout(const at::Tensor& input) {
+  if (input.is_contiguous()) return instance_norm::Layout::kContiguous;
+  if (input.permute(channels_last_order(input.dim())).is_contiguous()) return instance_norm::Layout::kChannelsLast;
+  return std::nullopt;
+}
+
+// `input` itself in a native layout, else a contiguous copy. Outputs take this
+// tensor's layout (empty_like).
+at::Tensor readable(const at::Tensor& input) { return native_layout(input) ? input : input.contiguous(); }
+
+// `t` (same shape as `like`) with like's native layout, copying only if needed.
+at::Tensor like_layout(const at::Tensor& t, const at::Tensor& like) {
+  if (like.is_contiguous()) return t.contiguous();
+  const std::vector<int64_t> order = channels_last_order(like.dim());
+  const at::Tensor permuted = t.permute(order);
+  if (permuted.is_contiguous()) return t;
+  std::vector<int64_t> inverse(order.size());
+  for (size_t i = 0; i < order.size(); ++i) inverse[order[i]] = static_cast<int64_t>(i);
+  return permuted.contiguous().permute(inverse);
+}
+
+bool kernel_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+// ---------------------------------------------------------------------------
+// 1. The validation of user arguments, and the front
+// ---------------------------------------------------------------------------
+
+// weight, bias, running_mean, running_var: None or a floating tensor of C elements
+// on the input's device.
+void check_channel_tensor(const char* name, const std::optional<at::Tensor>& value, const at::Tensor& input) {
+  if (!value.has_value()) return;
+  TORCH_CHECK_TYPE(value->is_floating_point(), "instance_norm: ", name, " must be a floating-point tensor, got ",
+                   value->scalar_type());
+  TORCH_CHECK_VALUE(value->sym_numel() == input.sym_size(1), "instance_norm: ", name, " must have C = ",
+                    text(input.sym_size(1)), " elements, got ", text(value->sym_numel()));
+  TORCH_CHECK_VALUE(value->device() == input.device(), "instance_norm: ", name, " must be on the input's device ",
+                    input.device(), ", got ", value->device());
+}
+
+// Every user-facing check of instance_norm, before any work, for every device and
+// dtype (so errors can differ from PyTorch's own, which raises RuntimeError or
+// NotImplementedError for some). Python checks only that the arguments are tensors.
+void check_arguments(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
+                     const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias, bool use_input_stats) {
+  TORCH_CHECK_TYPE(input.is_floating_point(), "instance_norm: input must be a floating-point tensor, got ",
+                   input.scalar_type());
+  TORCH_CHECK_VALUE(input.dim() >= 3, "instance_norm: input must have shape (N, C, *spatial), got ",
+                    text(input.dim()), " dims");
+  check_channel_tensor("running_mean", running_mean, input);
+  check_channel_tensor("running_var", running_var, input);
+  check_channel_tensor("weight", weight, input);
+  check_channel_tensor("bias", bias, input);
+  TORCH_CHECK_VALUE(running_mean.has_value() == running_var.has_value(),
+                    "instance_norm: running_mean and running_var must be given together (both None, or both tensors "
+                    "of C elements)");
+  if (use_input_stats) {
+    c10::SymInt spatial = 1;
+    for (int64_t d = 2; d < input.dim(); ++d) spatial *= input.sym_size(d);
+    TORCH_CHECK_VALUE(spatial != 1, "Expected more than 1 spatial element when training, got input size ",
+                      sizes_text(input));
+  } else {
+    TORCH_CHECK_VALUE(running_mean.has_value(),
+                      "instance_norm: use_input_stats=False needs running_mean and running_var (got None)");
+  }
+}
+
+// Typed handles of the ops, looked up once.
+const c10::TypedOperatorHandle<Stats(const at::Tensor&, const std::optional<at::Tensor>&,
+                                     const std::optional<at::Tensor>&, double)>&
+forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("instance_norm_cuda::forward", "")
+                             .typed<Stats(const at::Tensor&, const std::optional<at::Tensor>&,
+                                          const std::optional<at::Tensor>&, double)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<Stats(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const std::optional<at::Tensor>&, bool)>&
+backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("instance_norm_cuda::backward", "")
+                             .typed<Stats(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, bool)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                          double)>&
+forward_eval_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("instance_norm_cuda::forward_eval", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                               double)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, double, double)>&
+update_running_stats_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("instance_norm_cuda::update_running_stats", "")
+                             .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, double, double)>();
+  return op;
+}
+
+// PyTorch's F.instance_norm (input, running_mean, running_var, weight, bias,
+// use_input_stats, momentum, eps) on this project's kernels; see solution.instance_norm
+// for the semantics. CUDA float32, float16 and bfloat16 inputs run the kernels (other
+// strides than contiguous and channels-last are copied to contiguous first); others
+// run PyTorch's op. Registered as CompositeImplicitAutograd: torch.compile traces
+// through it to the ops it calls.
+at::Tensor instance_norm_front(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
+                               const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum,
+                               double eps) {
+  check_arguments(input, running_mean, running_var, weight, bias, use_input_stats);
+  if (!input.is_cuda() || !kernel_dtype(input.scalar_type())) {
+    return at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                             /*cudnn_enabled=*/false);
+  }
+  TORCH_CHECK(eps >= 0.0, "instance_norm: eps must be >= 0, got ", text(eps));
+  const at::Tensor x = readable(input);
+  if (!use_input_stats) return forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps);
+  const auto [y, mean, rstd] = forward_op().call(x, weight, bias, eps);
+  if (running_mean.has_value()) update_running_stats_op().call(*running_mean, *running_var, x, mean, rstd, momentum, eps);
+  return y;
+}
+
+// ---------------------------------------------------------------------------
+// 2. Autograd
+// ---------------------------------------------------------------------------
+
+std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> tensors) {
+  for (const std::optional<at::Tensor>* t : tensors)
+    if (t->has_value() && (*t)->requires_grad()) return true;
+  return false;
+}
+
+// Autograd of forward: only y is differentiable (mean and rstd are saved statistics).
+// The backward is not itself differentiable: the backward op has no derivative, so a
+// double backward raises.
+class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
+ public:
+  static constexpr bool is_traceable = true;  // compiled autograd traces the backward
+
+  // weight, bias: undefined tensors for None (each takes one gradient slot).
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                               const at::Tensor& bias, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [y, mean, rstd] = forward_op().call(input, optional_tensor(weight), optional_tensor(bias), eps);
+    ctx->save_for_backward({input, weight, mean, rstd});
+    ctx->saved_data["bias_dtype"] = bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : int64_t{-1};
+    ctx->mark_non_differentiable({mean, rstd});
+    // grad_mean and grad_rstd are never used: no (N * C) zeros are filled for them.
+    ctx->set_materialize_grads(false);
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    const bool weight_grad = ctx->needs_input_grad(1), bias_grad = ctx->needs_input_grad(2);
+    // Without a parameter that needs them (none given, or frozen), the kernel skips
+    // the per-channel reductions.
+    auto [grad_input, grad_weight, grad_bias] = backward_op().call(
+        like_layout(grads[0], input), input, saved[2], saved[3], optional_tensor(weight), weight_grad || bias_grad);
+    const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
+    return {ctx->needs_input_grad(0) ? grad_input : at::Tensor(),
+            weight_grad ? grad_weight.to(weight.scalar_type()) : at::Tensor(),
+            bias_grad ? grad_bias.to(static_cast<at::ScalarType>(bias_dtype)) : at::Tensor(), at::Tensor()};
+  }
+};
+
+Stats forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, double eps) {
+  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias}))) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(input, weight, bias, eps);
+  }
+  const variable_list out =
+      ForwardFunction::apply(input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), eps);
+  return {out[0], out[1], out[2]};
+}
+
+// Autograd of forward_eval. With fixed statistics y is affine in x:
+// grad_input = grad_output * rstd[c] * weight[c], rstd = 1 / sqrt(running_var[c] + eps);
+// the running buffers get no gradient, as in PyTorch.
+class EvalFunction : public torch::autograd::Function<EvalFunction> {
+ public:
+  static constexpr bool is_traceable = true;
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& running_mean,
+                               const at::Tensor& running_var, const at::Tensor& weight, const at::Tensor& bias,
+                               double eps) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor y = forward_eval_op().call(input, running_mean, running_var, optional_tensor(weight),
+                                          optional_tensor(bias), eps);
+    ctx->save_for_backward({input, running_mean, running_var, weight});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["bias_dtype"] = bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : int64_t{-1};
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &input = saved[0], &running_mean = saved[1], &running_var = saved[2], &weight = saved[3];
+    std::vector<int64_t> shape(input.dim(), 1), reduce_dims{0};
+    shape[1] = -1;
+    for (int64_t d = 2; d < input.dim(); ++d) reduce_dims.push_back(d);
+    const at::Tensor rstd = at::rsqrt(running_var.to(at::kFloat) + ctx->saved_data["eps"].toDouble()).view(shape);
+    const at::Tensor grad = grads[0].to(at::kFloat);
+    at::Tensor grad_input, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) {
+      const at::Tensor scale = weight.defined() ? rstd * weight.to(at::kFloat).view(shape) : rstd;
+      grad_input = (grad * scale).to(input.scalar_type());
+    }
+    if (ctx->needs_input_grad(3)) {
+      const at::Tensor xhat = (input.to(at::kFloat) - running_mean.to(at::kFloat).view(shape)) * rstd;
+      grad_weight = (grad * xhat).sum(reduce_dims).to(weight.scalar_type());
+    }
+    if (ctx->needs_input_grad(4)) {
+      grad_bias = grad.sum(reduce_dims).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+    }
+    return {grad_input, at::Tensor(), at::Tensor(), grad_weight, grad_bias, at::Tensor()};
+  }
+};
+
+at::Tensor forward_eval_autograd(const at::Tensor& input, const at::Tensor& running_mean,
+                                 const at::Tensor& running_var, const std::optional<at::Tensor>& weight,
+                                 const std::optional<at::Tensor>& bias, double eps) {
+  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias}))) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_eval_op().call(input, running_mean, running_var, weight, bias, eps);
+  }
+  return EvalFunction::apply(input, running_mean, running_var, weight.value_or(at::Tensor()),
+                             bias.value_or(at::Tensor()), eps)[0];
+}
+
+// ---------------------------------------------------------------------------
+// 3. CUDA kernels of the ops
+// ---------------------------------------------------------------------------
+
+instance_norm::DType storage_dtype(const at::Tensor& input) {
   switch (input.scalar_type()) {
     case at::kFloat: return instance_norm::DType::kFloat32;
     case at::kHalf: return instance_norm::DType::kFloat16;
@@ -37,45 +333,39 @@ instance_norm::DType storage_dtype(const torch::Tensor& input) {
   return instance_norm::DType::kFloat32;  // not reached
 }
 
-// weight or bias: None, or C values on the input's device; returned as contiguous float32.
-std::optional<torch::Tensor> channel_parameter(const std::optional<torch::Tensor>& parameter, const char* name,
-                                               const torch::Tensor& input) {
-  if (!parameter.has_value()) return std::nullopt;
-  TORCH_CHECK(parameter->device() == input.device(), name, " must be on the input's device ", input.device(),
-              ", got ", parameter->device());
-  TORCH_CHECK(parameter->numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
-              text(parameter->numel()));
-  return parameter->to(at::kFloat).contiguous();
-}
-
-// Layout the kernels read `input` in without a copy: contiguous, or channels-last
-// (torch.channels_last / channels_last_3d, and the same order for 1d: dims
-// (0, 2, ..., 1) contiguous). Contiguous wins where both hold (C == 1 or spatial == 1).
-std::optional<instance_norm::Layout> native_layout(const torch::Tensor& input) {
-  if (input.is_contiguous()) return instance_norm::Layout::kContiguous;
-  std::vector<int64_t> order{0};
-  for (int64_t d = 2; d < input.dim(); ++d) order.push_back(d);
-  order.push_back(1);
-  if (input.permute(order).is_contiguous()) return instance_norm::Layout::kChannelsLast;
-  return std::nullopt;
-}
-
-// The tensor the kernels read: `input` itself in a native layout, else a contiguous copy.
-std::pair<torch::Tensor, instance_norm::Layout> readable(const torch::Tensor& input) {
+// The internal invariants of every kernel entry (the ops and the test interface):
+// what the launches need to touch only the memory they own. Callers that follow the
+// front never fail these; they guard direct calls.
+instance_norm::Layout check_kernel_input(const at::Tensor& input) {
+  TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
+  storage_dtype(input);
+  TORCH_CHECK(input.dim() >= 3, "input must have at least 3 dims (N, C, *spatial), got ", text(input.dim()));
   const std::optional<instance_norm::Layout> layout = native_layout(input);
-  if (layout) return {input, *layout};
-  return {input.contiguous(), instance_norm::Layout::kContiguous};
+  TORCH_CHECK(layout.has_value(), "input must be contiguous or channels-last");
+  return *layout;
 }
 
-int64_t spatial_size(const torch::Tensor& input) {
+// A channel tensor (weight, bias, running statistics): None, or C values on the
+// input's device; returned as contiguous float32 (no copy when it is one).
+std::optional<at::Tensor> channel_float32(const std::optional<at::Tensor>& value, const char* name,
+                                          const at::Tensor& input) {
+  if (!value.has_value()) return std::nullopt;
+  TORCH_CHECK(value->device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
+              value->device());
+  TORCH_CHECK(value->numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
+              text(value->numel()));
+  return value->to(at::kFloat).contiguous();
+}
+
+int64_t spatial_size(const at::Tensor& input) {
   int64_t spatial = 1;
   for (int64_t d = 2; d < input.dim(); ++d) spatial *= input.size(d);
   return spatial;
 }
 
-instance_norm::ForwardProblem make_problem(const torch::Tensor& input, instance_norm::Layout layout,
-                                           const std::optional<torch::Tensor>& weight,
-                                           const std::optional<torch::Tensor>& bias, double eps) {
+instance_norm::ForwardProblem make_problem(const at::Tensor& input, instance_norm::Layout layout,
+                                           const std::optional<at::Tensor>& weight,
+                                           const std::optional<at::Tensor>& bias, double eps) {
   instance_norm::ForwardProblem problem{};
   problem.x = input.data_ptr();
   problem.dtype = storage_dtype(input);
@@ -89,142 +379,116 @@ instance_norm::ForwardProblem make_problem(const torch::Tensor& input, instance_
   return problem;
 }
 
-void check_input(const torch::Tensor& input) {
-  TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
-  storage_dtype(input);
-  TORCH_CHECK(input.dim() >= 3, "input must have at least 3 dims (N, C, *spatial), got ", text(input.dim()));
-}
-
 instance_norm::ForwardPath checked_path(int64_t path) {
   TORCH_CHECK(path >= 0 && path < instance_norm::kNumForwardPaths, "path must be in [0, ",
               text(instance_norm::kNumForwardPaths), "), got ", text(path));
   return static_cast<instance_norm::ForwardPath>(path);
 }
 
-torch::Tensor float_buffer(int64_t size, const torch::Tensor& like) {
-  return torch::empty({size}, like.options().dtype(at::kFloat));
+at::Tensor float_buffer(int64_t size, const at::Tensor& like) {
+  return at::empty({size}, like.options().dtype(at::kFloat));
 }
-
-// A new tensor shaped, typed and laid out (contiguous or channels-last) as x.
-// Allocated before any other buffer of the call, so that tests which poison the
-// block a same-sized output will take see it land there.
-torch::Tensor new_output(const torch::Tensor& x) { return torch::empty_like(x); }
 
 // The current stream of `device`, on which every launch goes (CUDA-graph capture
 // included). The device is named, not defaulted: some KernelBench static checkers
 // flag any call of a name ending in "Stream" with empty parentheses.
-cudaStream_t current_stream(const torch::Device& device) {
+cudaStream_t current_stream(const at::Device& device) {
   return c10::cuda::getCurrentCUDAStream(device.index()).stream();
 }
 
 // Runs `problem` (x set) into `output`; fills problem.y and problem.workspace.
-void run_forward(const torch::Tensor& x, const torch::Tensor& output, instance_norm::ForwardProblem& problem,
+void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::ForwardProblem& problem,
                  instance_norm::ForwardPath path) {
   TORCH_CHECK(instance_norm::forward_path_supported(path, problem), "path ", text(static_cast<int>(path)),
               " cannot run ", text(problem.num_slices()), " slices of ", text(problem.spatial), " ", x.scalar_type(),
               " elements in this layout on this GPU (see kernels/instance_norm.h)");
   problem.y = output.data_ptr();  // before sizing the workspace: the path may depend on y's alignment
   const size_t workspace_bytes = instance_norm::forward_workspace_bytes(problem, path);
-  torch::Tensor workspace;
-  if (workspace_bytes > 0) workspace = torch::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
+  at::Tensor workspace;
+  if (workspace_bytes > 0) workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
   C10_CUDA_CHECK(instance_norm::forward(problem, path, current_stream(x.device())));
 }
 
-// input: CUDA tensor (N, C, *spatial) of float32, float16 or bfloat16, any strides
-// (contiguous and channels-last are read in place, others copied to contiguous).
-// weight, bias: None or C values (any float dtype, on the input's device).
+// input: (N, C, *spatial) CUDA float32/float16/bfloat16, contiguous or channels-last.
+// weight, bias: None or C values (any float dtype) on the input's device.
 // Returns (y, mean, rstd): y of the input's shape, dtype and layout, every (n, c)
-// slice normalized to zero mean and unit biased variance, (x - mean) * rstd with
-// rstd = 1 / sqrt(var + eps), times weight[c] plus bias[c]; mean and rstd are the
-// slices' float32 statistics, shape (N * C). Without save_stats they are None.
-// path: instance_norm::ForwardPath as an int (0 = choose automatically).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> forward_with_stats(
-    const torch::Tensor& input, const std::optional<torch::Tensor>& weight, const std::optional<torch::Tensor>& bias,
-    double eps, int64_t path, bool save_stats) {
-  check_input(input);
-  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
-  const instance_norm::ForwardPath forward_path = checked_path(path);
-  const c10::cuda::CUDAGuard device_guard(input.device());
-  const auto [x, layout] = readable(input);
-  torch::Tensor output = new_output(x);
-  const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", x);
-  const std::optional<torch::Tensor> bias_f32 = channel_parameter(bias, "bias", x);
+// slice normalized, (x - mean) * rstd with rstd = 1 / sqrt(var + eps) (biased var),
+// times weight[c] plus bias[c]; mean and rstd the slices' float32 statistics, (N * C).
+// Without save_stats mean and rstd are undefined (None) and nothing is allocated.
+Stats forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                   const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
+                   bool save_stats) {
+  const instance_norm::Layout layout = check_kernel_input(x);
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  // Allocated before any other buffer of the call, so that tests which poison the
+  // block a same-sized output will take see it land there.
+  at::Tensor output = at::empty_like(x);
+  const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", x);
+  const std::optional<at::Tensor> bias_f32 = channel_float32(bias, "bias", x);
   instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
-  torch::Tensor mean, rstd;  // undefined (None in Python) without save_stats: nothing allocated
+  at::Tensor mean, rstd;
   if (save_stats) {
     mean = float_buffer(problem.num_slices(), x);
     rstd = float_buffer(problem.num_slices(), x);
     problem.mean = mean.data_ptr<float>();
     problem.rstd = rstd.data_ptr<float>();
   }
-  run_forward(x, output, problem, forward_path);
+  run_forward(x, output, problem, path);
   return {output, mean, rstd};
 }
 
-torch::Tensor forward(const torch::Tensor& input, const std::optional<torch::Tensor>& weight,
-                      const std::optional<torch::Tensor>& bias, double eps, int64_t path) {
-  return std::get<0>(forward_with_stats(input, weight, bias, eps, path, false));
-}
-
-// running_mean or running_var: C values of any float dtype on the input's device.
-torch::Tensor running_buffer(const torch::Tensor& buffer, const char* name, const torch::Tensor& input) {
-  TORCH_CHECK(buffer.device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
-              buffer.device());
-  TORCH_CHECK(buffer.numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
-              text(buffer.numel()));
-  return buffer.to(at::kFloat).contiguous();
+Stats forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                   const std::optional<at::Tensor>& bias, double eps) {
+  return forward_impl(input, weight, bias, eps, instance_norm::ForwardPath::kAuto, true);
 }
 
 // use_input_stats=False: y = (x - running_mean[c]) / sqrt(running_var[c] + eps)
-// * weight[c] + bias[c], one elementwise sweep; otherwise as forward.
-torch::Tensor forward_eval(const torch::Tensor& input, const torch::Tensor& running_mean,
-                           const torch::Tensor& running_var, const std::optional<torch::Tensor>& weight,
-                           const std::optional<torch::Tensor>& bias, double eps) {
-  check_input(input);
-  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
+// * weight[c] + bias[c], one elementwise sweep.
+at::Tensor forward_eval_cuda(const at::Tensor& input, const at::Tensor& running_mean, const at::Tensor& running_var,
+                             const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                             double eps) {
+  const instance_norm::Layout layout = check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const auto [x, layout] = readable(input);
-  torch::Tensor output = new_output(x);
-  const torch::Tensor mean_f32 = running_buffer(running_mean, "running_mean", x);
-  const torch::Tensor var_f32 = running_buffer(running_var, "running_var", x);
-  const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", x);
-  const std::optional<torch::Tensor> bias_f32 = channel_parameter(bias, "bias", x);
-  instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
-  problem.running_mean = mean_f32.data_ptr<float>();
-  problem.running_var = var_f32.data_ptr<float>();
-  run_forward(x, output, problem, instance_norm::ForwardPath::kAuto);
+  at::Tensor output = at::empty_like(input);
+  const std::optional<at::Tensor> mean_f32 = channel_float32(running_mean, "running_mean", input);
+  const std::optional<at::Tensor> var_f32 = channel_float32(running_var, "running_var", input);
+  const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
+  const std::optional<at::Tensor> bias_f32 = channel_float32(bias, "bias", input);
+  instance_norm::ForwardProblem problem = make_problem(input, layout, weight_f32, bias_f32, eps);
+  problem.running_mean = mean_f32->data_ptr<float>();
+  problem.running_var = var_f32->data_ptr<float>();
+  run_forward(input, output, problem, instance_norm::ForwardPath::kAuto);
   return output;
 }
 
-// PyTorch's running-statistics update from forward_with_stats's mean and rstd
-// (kernels/instance_norm.h, update_running_stats), in place on running_mean and
-// running_var (C values of any float dtype; updated through a float32 copy when
-// they are not float32).
-void update_running_stats(torch::Tensor running_mean, torch::Tensor running_var, const torch::Tensor& mean,
-                          const torch::Tensor& rstd, int64_t batch, int64_t spatial, double momentum, double eps) {
-  TORCH_CHECK(running_mean.is_cuda() && running_var.is_cuda() && mean.is_cuda() && rstd.is_cuda(),
-              "running statistics must be CUDA tensors");
+// PyTorch's running-statistics update (kernels/instance_norm.h, update_running_stats)
+// from forward's mean and rstd of `input` (whose sizes give N and the spatial size),
+// in place on running_mean and running_var (C values of any float dtype; through a
+// float32 copy when they are not float32).
+void update_running_stats_cuda(const at::Tensor& running_mean, const at::Tensor& running_var, const at::Tensor& input,
+                               const at::Tensor& mean, const at::Tensor& rstd, double momentum, double eps) {
+  check_kernel_input(input);
+  const int64_t spatial = spatial_size(input);
   TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
-                  rstd.is_contiguous() && mean.numel() == batch * running_mean.numel() && rstd.numel() == mean.numel(),
-              "mean and rstd must be forward_with_stats's float32 (N * C) outputs");
-  TORCH_CHECK(running_var.numel() == running_mean.numel(), "running_var must have as many elements as running_mean");
+                  rstd.is_contiguous() && mean.numel() == input.size(0) * input.size(1) &&
+                  rstd.numel() == mean.numel() && mean.device() == input.device() && rstd.device() == input.device(),
+              "mean and rstd must be forward's float32 (N * C) outputs");
   TORCH_CHECK(spatial > 1, "the running variance needs more than 1 spatial element, got ", text(spatial));
-  const c10::cuda::CUDAGuard device_guard(running_mean.device());
-  torch::Tensor mean_f32 = running_mean.to(at::kFloat).contiguous();
-  torch::Tensor var_f32 = running_var.to(at::kFloat).contiguous();
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  at::Tensor mean_f32 = *channel_float32(running_mean, "running_mean", input);
+  at::Tensor var_f32 = *channel_float32(running_var, "running_var", input);
   C10_CUDA_CHECK(instance_norm::update_running_stats(
-      mean_f32.data_ptr<float>(), var_f32.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(), batch,
-      running_mean.numel(), spatial, static_cast<float>(momentum), static_cast<float>(eps),
-      current_stream(running_mean.device())));
+      mean_f32.data_ptr<float>(), var_f32.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+      input.size(0), input.size(1), spatial, static_cast<float>(momentum), static_cast<float>(eps),
+      current_stream(input.device())));
   if (!mean_f32.is_same(running_mean)) running_mean.copy_(mean_f32);
   if (!var_f32.is_same(running_var)) running_var.copy_(var_f32);
 }
 
-instance_norm::BackwardProblem make_backward_problem(const torch::Tensor& grad_output, const torch::Tensor& input,
-                                                     const std::optional<torch::Tensor>& weight_f32) {
-  const std::optional<instance_norm::Layout> layout = native_layout(input);
-  TORCH_CHECK(layout.has_value(), "backward: input must be contiguous or channels-last");
+instance_norm::BackwardProblem make_backward_problem(const at::Tensor& grad_output, const at::Tensor& input,
+                                                     instance_norm::Layout layout,
+                                                     const std::optional<at::Tensor>& weight_f32) {
   TORCH_CHECK(grad_output.sizes() == input.sizes() && grad_output.strides() == input.strides() &&
                   grad_output.scalar_type() == input.scalar_type() && grad_output.device() == input.device(),
               "backward: grad_output must have the input's shape, strides, dtype and device");
@@ -232,7 +496,7 @@ instance_norm::BackwardProblem make_backward_problem(const torch::Tensor& grad_o
   problem.x = input.data_ptr();
   problem.dy = grad_output.data_ptr();
   problem.dtype = storage_dtype(input);
-  problem.layout = *layout;
+  problem.layout = layout;
   problem.batch = input.size(0);
   problem.num_channels = input.size(1);
   problem.spatial = spatial_size(input);
@@ -246,73 +510,103 @@ instance_norm::BackwardPath checked_backward_path(int64_t path) {
   return static_cast<instance_norm::BackwardPath>(path);
 }
 
-// Gradient of forward_with_stats (use_input_stats=True) for its input, weight and bias.
-// grad_output and input: same shape, strides (contiguous or channels-last), dtype
-// and device; mean, rstd: forward_with_stats's float32 (N * C) outputs; weight: None
-// or C values. Returns (grad_input in the input's dtype and layout, grad_weight,
-// grad_bias), the last two float32 (C): sums over n of the per-slice sum(dy * xhat)
-// and sum(dy), reduced in a fixed order (bit-identical run to run); without
-// channel_sums (no parameter needs them) both are undefined tensors, None in Python,
-// and the two reductions are skipped.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward(const torch::Tensor& grad_output,
-                                                                 const torch::Tensor& input, const torch::Tensor& mean,
-                                                                 const torch::Tensor& rstd,
-                                                                 const std::optional<torch::Tensor>& weight,
-                                                                 int64_t path, bool channel_sums) {
-  check_input(input);
-  const instance_norm::BackwardPath backward_path = checked_backward_path(path);
+// Gradient of forward for its input, weight and bias. grad_output and input: same
+// shape, strides (contiguous or channels-last), dtype and device; mean, rstd:
+// forward's float32 (N * C) outputs; weight: None or C values. Returns (grad_input in
+// the input's dtype and layout, grad_weight, grad_bias), the last two float32 (C):
+// sums over n of the per-slice sum(dy * xhat) and sum(dy), in a fixed order
+// (bit-identical run to run). Without channel_sums (no parameter needs them) both
+// are empty tensors and the reduction is skipped.
+Stats backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+                    instance_norm::BackwardPath path, bool channel_sums) {
+  const instance_norm::Layout layout = check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const int64_t num_slices = input.size(0) * input.size(1);
   TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
                   rstd.is_contiguous() && mean.numel() == num_slices && rstd.numel() == num_slices &&
                   mean.device() == input.device() && rstd.device() == input.device(),
-              "backward: mean and rstd must be forward_with_stats's float32 (N * C) outputs on the input's device");
-  torch::Tensor grad_input = new_output(input);
-  const std::optional<torch::Tensor> weight_f32 = channel_parameter(weight, "weight", input);
-  instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, weight_f32);
+              "backward: mean and rstd must be forward's float32 (N * C) outputs on the input's device");
+  at::Tensor grad_input = at::empty_like(input);
+  const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
+  instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, weight_f32);
   problem.mean = mean.data_ptr<float>();
   problem.rstd = rstd.data_ptr<float>();
-  TORCH_CHECK(instance_norm::backward_path_supported(backward_path, problem), "backward path ", text(path),
+  TORCH_CHECK(instance_norm::backward_path_supported(path, problem), "backward path ", text(static_cast<int>(path)),
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
-  torch::Tensor sum_dy = float_buffer(num_slices, input);
-  torch::Tensor sum_dy_xhat = float_buffer(num_slices, input);
+  at::Tensor sum_dy = float_buffer(num_slices, input);
+  at::Tensor sum_dy_xhat = float_buffer(num_slices, input);
   problem.dx = grad_input.data_ptr();  // before sizing the workspace: the path may depend on dx's alignment
-  const size_t workspace_bytes = instance_norm::backward_workspace_bytes(problem, backward_path);
-  torch::Tensor workspace;
+  const size_t workspace_bytes = instance_norm::backward_workspace_bytes(problem, path);
+  at::Tensor workspace;
   if (workspace_bytes > 0) {
-    workspace = torch::empty({static_cast<int64_t>(workspace_bytes)}, input.options().dtype(at::kByte));
+    workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, input.options().dtype(at::kByte));
   }
   problem.sum_dy = sum_dy.data_ptr<float>();
   problem.sum_dy_xhat = sum_dy_xhat.data_ptr<float>();
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
-  C10_CUDA_CHECK(instance_norm::backward(problem, backward_path, current_stream(input.device())));
-  if (!channel_sums) return {grad_input, torch::Tensor(), torch::Tensor()};
-  const auto per_channel = [&](const torch::Tensor& sums) { return sums.view({input.size(0), input.size(1)}).sum(0); };
-  return {grad_input, per_channel(sum_dy_xhat), per_channel(sum_dy)};
+  const cudaStream_t stream = current_stream(input.device());
+  C10_CUDA_CHECK(instance_norm::backward(problem, path, stream));
+  const int64_t channels = channel_sums ? input.size(1) : 0;
+  at::Tensor grad_weight = float_buffer(channels, input), grad_bias = float_buffer(channels, input);
+  if (channel_sums) {
+    C10_CUDA_CHECK(instance_norm::parameter_gradients(grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(),
+                                                      problem.sum_dy_xhat, problem.sum_dy, input.size(0), channels,
+                                                      stream));
+  }
+  return {grad_input, grad_weight, grad_bias};
+}
+
+Stats backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool channel_sums) {
+  return backward_impl(grad_output, input, mean, rstd, weight, instance_norm::BackwardPath::kAuto, channel_sums);
+}
+
+// ---------------------------------------------------------------------------
+// 4. Test interface: forced paths and the chooser's answers
+// ---------------------------------------------------------------------------
+
+Stats forward_with_stats(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias, double eps, int64_t path, bool save_stats) {
+  TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
+  TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
+  return forward_impl(readable(input), weight, bias, eps, checked_path(path), save_stats);
+}
+
+at::Tensor forward_test(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, double eps, int64_t path) {
+  return std::get<0>(forward_with_stats(input, weight, bias, eps, path, false));
+}
+
+Stats backward_test(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, int64_t path, bool channel_sums) {
+  return backward_impl(grad_output, input, mean, rstd, weight, checked_backward_path(path), channel_sums);
 }
 
 // Whether backward(..., path) can run for this input (grad_output laid out alike) on its device.
-bool backward_path_supported(const torch::Tensor& input, int64_t path) {
-  check_input(input);
+bool backward_path_supported(const at::Tensor& input, int64_t path) {
+  TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
+  const std::optional<instance_norm::Layout> layout = native_layout(input);
+  if (path < 0 || path >= instance_norm::kNumBackwardPaths || !layout) return false;
+  check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  if (path < 0 || path >= instance_norm::kNumBackwardPaths || !native_layout(input)) return false;
   return instance_norm::backward_path_supported(static_cast<instance_norm::BackwardPath>(path),
-                                                make_backward_problem(input, input, std::nullopt));
+                                                make_backward_problem(input, input, *layout, std::nullopt));
 }
 
 // The path forward(input, ..., path=0) takes for this input on its device.
-int64_t chosen_path(const torch::Tensor& input) {
-  check_input(input);
-  const c10::cuda::CUDAGuard device_guard(input.device());
-  const auto [x, layout] = readable(input);
+int64_t chosen_path(const at::Tensor& input) {
+  const at::Tensor x = readable(input);
+  const instance_norm::Layout layout = check_kernel_input(x);
+  const c10::cuda::CUDAGuard device_guard(x.device());
   return static_cast<int64_t>(instance_norm::choose_forward_path(make_problem(x, layout, {}, {}, 0.0)));
 }
 
 // Whether forward(input, ..., path) can run this input on its device.
-bool path_supported(const torch::Tensor& input, int64_t path) {
-  check_input(input);
-  const c10::cuda::CUDAGuard device_guard(input.device());
-  const auto [x, layout] = readable(input);
+bool path_supported(const at::Tensor& input, int64_t path) {
+  const at::Tensor x = readable(input);
+  const instance_norm::Layout layout = check_kernel_input(x);
+  const c10::cuda::CUDAGuard device_guard(x.device());
   return path >= 0 && path < instance_norm::kNumForwardPaths &&
          instance_norm::forward_path_supported(static_cast<instance_norm::ForwardPath>(path),
                                                make_problem(x, layout, {}, {}, 0.0));
@@ -320,23 +614,54 @@ bool path_supported(const torch::Tensor& input, int64_t path) {
 
 }  // namespace
 
+// The ops. Schemas name mutation (running statistics) so that torch.compile
+// functionalizes it.
+TORCH_LIBRARY(instance_norm_cuda, m) {
+  m.def("instance_norm(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor? weight, "
+        "Tensor? bias, bool use_input_stats, float momentum, float eps) -> Tensor");
+  m.def("forward(Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("backward(Tensor grad_output, Tensor input, Tensor mean, Tensor rstd, Tensor? weight, bool channel_sums) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("forward_eval(Tensor input, Tensor running_mean, Tensor running_var, Tensor? weight, Tensor? bias, "
+        "float eps) -> Tensor");
+  m.def("update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor input, Tensor mean, "
+        "Tensor rstd, float momentum, float eps) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(instance_norm_cuda, CompositeImplicitAutograd, m) {
+  m.impl("instance_norm", &instance_norm_front);
+}
+
+TORCH_LIBRARY_IMPL(instance_norm_cuda, CUDA, m) {
+  m.impl("forward", &forward_cuda);
+  m.impl("backward", &backward_cuda);
+  m.impl("forward_eval", &forward_eval_cuda);
+  m.impl("update_running_stats", &update_running_stats_cuda);
+}
+
+TORCH_LIBRARY_IMPL(instance_norm_cuda, Autograd, m) {
+  m.impl("forward", &forward_autograd);
+  m.impl("forward_eval", &forward_eval_autograd);
+  m.impl("backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("update_running_stats", torch::autograd::autogradNotImplementedFallback());
+}
+
+TORCH_LIBRARY_IMPL(instance_norm_cuda, ADInplaceOrView, m) {
+  // Bumps the version counters of the updated buffers.
+  m.impl("update_running_stats", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "InstanceNorm CUDA kernels (see kernels/instance_norm.h)";
-  m.def("forward", &forward,
-        "InstanceNorm forward, (N, C, *spatial) float32/float16/bfloat16, optional per-channel weight and bias",
-        py::arg("input"), py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5,
-        py::arg("path") = 0);
-  m.def("forward_with_stats", &forward_with_stats, "forward, also returning the slices' float32 mean and rstd",
+  m.doc() = "InstanceNorm CUDA kernels (see kernels/instance_norm.h and kernels/instance_norm_entry.cpp)";
+  m.def("instance_norm", &instance_norm_front,
+        "F.instance_norm on the kernels: (input, running_mean, running_var, weight, bias, use_input_stats, momentum, "
+        "eps), positional");
+  m.def("forward", &forward_test, "forward (y only) on a forced path (0 = automatic)", py::arg("input"),
+        py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5, py::arg("path") = 0);
+  m.def("forward_with_stats", &forward_with_stats, "forward on a forced path, also returning the slices' mean and rstd",
         py::arg("input"), py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5,
         py::arg("path") = 0, py::arg("save_stats") = true);
-  m.def("forward_eval", &forward_eval, "forward normalizing with running statistics (use_input_stats=False)",
-        py::arg("input"), py::arg("running_mean"), py::arg("running_var"), py::arg("weight") = py::none(),
-        py::arg("bias") = py::none(), py::arg("eps") = 1e-5);
-  m.def("update_running_stats", &update_running_stats, "PyTorch's running-statistics update, in place",
-        py::arg("running_mean"), py::arg("running_var"), py::arg("mean"), py::arg("rstd"), py::arg("batch"),
-        py::arg("spatial"), py::arg("momentum"), py::arg("eps"));
-  m.def("backward", &backward,
-        "Gradient of forward_with_stats: (grad_input, grad_weight, grad_bias); the last two None without channel_sums",
+  m.def("backward", &backward_test, "backward on a forced path: (grad_input, grad_weight, grad_bias)",
         py::arg("grad_output"), py::arg("input"), py::arg("mean"), py::arg("rstd"), py::arg("weight") = py::none(),
         py::arg("path") = 0, py::arg("channel_sums") = true);
   m.def("backward_path_supported", &backward_path_supported,

@@ -1,6 +1,6 @@
 // The forward's split path (several CTAs per slice, two reads, any layout, size,
-// alignment and GPU), the eval-mode sweep with running statistics, and PyTorch's
-// running-statistics update.
+// alignment and GPU), the eval-mode sweep with running statistics, PyTorch's
+// running-statistics update and the per-channel parameter gradients.
 //
 // Split path, three launches:
 //   1. partial statistics (count, mean, M2) of each chunk of each slice: contiguous,
@@ -290,6 +290,22 @@ __global__ void update_running_stats_kernel(float* running_mean, float* running_
   }
 }
 
+// One thread per channel sums its batch entries in order n = 0 .. batch - 1 (in
+// double, stored as float32): deterministic, and one launch for both gradients.
+__global__ void parameter_gradients_kernel(float* grad_weight, float* grad_bias, const float* sum_dy_xhat,
+                                           const float* sum_dy, int64_t batch, int64_t channels) {
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < channels;
+       c += static_cast<int64_t>(gridDim.x) * kThreads) {
+    double weight_sum = 0.0, bias_sum = 0.0;
+    for (int64_t n = 0; n < batch; ++n) {
+      weight_sum += sum_dy_xhat[n * channels + c];
+      bias_sum += sum_dy[n * channels + c];
+    }
+    grad_weight[c] = static_cast<float>(weight_sum);
+    grad_bias[c] = static_cast<float>(bias_sum);
+  }
+}
+
 }  // namespace split_detail
 
 bool split_supported(const ForwardProblem& p) {
@@ -345,6 +361,15 @@ cudaError_t update_running_stats(float* running_mean, float* running_var, const 
   if (spatial <= 1) return cudaErrorInvalidValue;
   update_running_stats_kernel<<<grid_for(channels, kThreads), kThreads, 0, stream>>>(
       running_mean, running_var, mean, rstd, batch, channels, spatial, momentum, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t parameter_gradients(float* grad_weight, float* grad_bias, const float* sum_dy_xhat, const float* sum_dy,
+                                int64_t batch, int64_t channels, cudaStream_t stream) {
+  using namespace split_detail;
+  if (channels <= 0) return cudaSuccess;
+  parameter_gradients_kernel<<<grid_for(channels, kThreads), kThreads, 0, stream>>>(grad_weight, grad_bias,
+                                                                                   sum_dy_xhat, sum_dy, batch, channels);
   return cudaGetLastError();
 }
 

@@ -8,19 +8,22 @@
 #             on the 3d row (1, 32, 128, 128, 128) fp32 (the pipelined path; --paths also
 #             times the cooperative one)
 #   suite     bench.py --suite, forward and --backward
+#   nets      benchmarks/nets.py (the real-network training benchmark; NETS_ARGS adds options)
 #
 #   bash tools/gpu_session.sh [stage ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-stages="${*:-build tests sanitize bench suite}"
+# Inside the repository's ignored out/, so a warm machine's next call reuses the build.
+export INSTANCE_NORM_BUILD_ROOT="${INSTANCE_NORM_BUILD_ROOT:-$PWD/out/build}"
+stages="${*:-build tests sanitize bench suite nets}"
 has() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 start=$(date +%s); python3 -c "import solution" 2>&1 | tail -3; echo "build: $(( $(date +%s) - start )) s"
 if has build; then
   # the newest build under the build root solution.py uses
-  so=$(ls -t "${INSTANCE_NORM_BUILD_ROOT:-$HOME/.cache/instance_norm_cuda}"/*/instance_norm_*.so | head -1)
+  so=$(ls -t "$INSTANCE_NORM_BUILD_ROOT"/*/instance_norm_*.so | head -1)
   cuobjdump -sass "$so" | grep -oE "(LDG|STG|LDL|STL|LDS|STS)[.A-Z0-9]*" | sort | uniq -c
 fi
 if has tests; then
@@ -45,4 +48,7 @@ fi
 if has suite; then
   python3 bench.py --suite --runs 20 --json "$OUT/suite.json" 2>&1 | tee "$OUT/suite.log" | sed -n '/^summary/,$p'
   python3 bench.py --suite --backward --runs 20 --json "$OUT/suite_backward.json" 2>&1 | tee "$OUT/suite_backward.log" | sed -n '/^summary/,$p'
+fi
+if has nets; then
+  python3 benchmarks/nets.py ${NETS_ARGS:-} --json "$OUT/nets.json" 2>&1 | tee "$OUT/nets.log"
 fi

@@ -1,0 +1,350 @@
+"""Training steps of real networks with this project's InstanceNorm, PyTorch's, and none.
+
+    python benchmarks/nets.py [--nets transformer,cyclegan,unet3d] [--modes fp32,bf16,compile]
+                              [--steps 10] [--rounds 3] [--warmup 3] [--host-calls 100] [--no-host] [--json PATH]
+
+Three networks, written from their published designs:
+- transformer: the fast-neural-style transformer net (Johnson et al. 2016): reflection
+  padded 9x9 conv to 32, stride-2 convs to 64 and 128, five residual blocks of 128,
+  two nearest-upsample convs back to 64 and 32, a 9x9 conv to 3; every conv but the
+  last followed by InstanceNorm2d(affine=True) and F.relu (15 norms); input (4, 3, 256, 256).
+- cyclegan: the CycleGAN ResNet generator (Zhu et al. 2017): 7x7 conv to 64, two
+  stride-2 convs to 128 and 256, nine residual blocks of 256, two transposed convs
+  back, a 7x7 conv to 3 and tanh; InstanceNorm2d without affine after every conv but
+  the last (23 norms), nn.ReLU modules in nn.Sequential; input (1, 3, 256, 256).
+- unet3d: an nnU-Net-style 3D U-Net (Isensee et al. 2021): five levels of 32, 64,
+  128, 256 and 320 channels, two 3x3x3 convs per level each followed by
+  InstanceNorm3d(affine=True) and LeakyReLU(0.01), stride-2 convs down, transposed
+  convs up with skip concatenation (18 norms); input (2, 1, 128, 128, 128).
+
+Each net is built three times from one seed (same conv weights): with PyTorch's
+norms ("pytorch"), with ours ("ours"), and with nn.Identity in their place
+("identity", the floor). One step is zero_grad, forward, an MSE loss, backward and
+an SGD step. Modes: fp32 eager; bf16 autocast eager; bf16 autocast with
+torch.compile(mode="reduce-overhead") of the net. Each variant's steps are timed in
+--rounds rounds that alternate the variants, --steps steps a round, each step's wall
+time taken on the host with a synchronize after it (host time included: what a user
+waits for); the table gives medians in ms and the norm cost ratio
+(ours - identity) / (pytorch - identity).
+
+Before timing, each net's output and parameter gradients with our norms are
+checked against PyTorch's norms in fp32 (TF32 off for the check): each parameter's
+gradient error relative to its own norm plus 1e-3 of the whole gradient's norm (a
+conv bias right before a norm has a true gradient of zero).
+
+The host section times one layer per call (a loop of --host-calls calls, timed on
+the host before the final synchronize): forward alone (no_grad) and forward +
+backward (torch.autograd.grad), ours against PyTorch's.
+Needs a CUDA GPU; exits with status 2 without one.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+VARIANTS = ("pytorch", "ours", "identity")
+MODES = ("fp32", "bf16", "compile")
+
+
+def norm_factory(variant, dims):
+    """variant -> callable(channels, affine) making that variant's norm of `dims` spatial dims."""
+    if variant == "identity":
+        return lambda channels, affine: nn.Identity()
+    if variant == "ours":
+        import solution
+        cls = getattr(solution, f"InstanceNorm{dims}d")
+    else:
+        cls = getattr(nn, f"InstanceNorm{dims}d")
+    return lambda channels, affine: cls(channels, affine=affine)
+
+
+class TransformerNet(nn.Module):
+    """Johnson et al. 2016, as in pytorch/examples fast_neural_style (F.relu after each norm)."""
+
+    class Conv(nn.Module):
+        def __init__(self, cin, cout, kernel, stride=1, upsample=None):
+            super().__init__()
+            self.upsample = upsample
+            self.pad = nn.ReflectionPad2d(kernel // 2)
+            self.conv = nn.Conv2d(cin, cout, kernel, stride)
+
+        def forward(self, x):
+            if self.upsample:
+                x = F.interpolate(x, mode="nearest", scale_factor=self.upsample)
+            return self.conv(self.pad(x))
+
+    class Residual(nn.Module):
+        def __init__(self, channels, norm):
+            super().__init__()
+            self.conv1, self.in1 = TransformerNet.Conv(channels, channels, 3), norm(channels, True)
+            self.conv2, self.in2 = TransformerNet.Conv(channels, channels, 3), norm(channels, True)
+
+        def forward(self, x):
+            y = F.relu(self.in1(self.conv1(x)))
+            return self.in2(self.conv2(y)) + x
+
+    def __init__(self, norm):
+        super().__init__()
+        self.conv1, self.in1 = self.Conv(3, 32, 9), norm(32, True)
+        self.conv2, self.in2 = self.Conv(32, 64, 3, 2), norm(64, True)
+        self.conv3, self.in3 = self.Conv(64, 128, 3, 2), norm(128, True)
+        self.res = nn.Sequential(*[self.Residual(128, norm) for _ in range(5)])
+        self.deconv1, self.in4 = self.Conv(128, 64, 3, upsample=2), norm(64, True)
+        self.deconv2, self.in5 = self.Conv(64, 32, 3, upsample=2), norm(32, True)
+        self.deconv3 = self.Conv(32, 3, 9)
+
+    def forward(self, x):
+        y = F.relu(self.in1(self.conv1(x)))
+        y = F.relu(self.in2(self.conv2(y)))
+        y = F.relu(self.in3(self.conv3(y)))
+        y = self.res(y)
+        y = F.relu(self.in4(self.deconv1(y)))
+        y = F.relu(self.in5(self.deconv2(y)))
+        return self.deconv3(y)
+
+
+def cyclegan_generator(norm):
+    """CycleGAN's ResnetGenerator (ngf 64, 9 blocks, reflection padding, InstanceNorm2d
+    without affine, so every conv has a bias), as nn.Sequential with nn.ReLU modules."""
+
+    class ResnetBlock(nn.Module):
+        def __init__(self, channels):
+            super().__init__()
+            self.block = nn.Sequential(
+                nn.ReflectionPad2d(1), nn.Conv2d(channels, channels, 3), norm(channels, False), nn.ReLU(True),
+                nn.ReflectionPad2d(1), nn.Conv2d(channels, channels, 3), norm(channels, False))
+
+        def forward(self, x):
+            return x + self.block(x)
+
+    layers = [nn.ReflectionPad2d(3), nn.Conv2d(3, 64, 7), norm(64, False), nn.ReLU(True)]
+    for cin in (64, 128):
+        layers += [nn.Conv2d(cin, cin * 2, 3, stride=2, padding=1), norm(cin * 2, False), nn.ReLU(True)]
+    layers += [ResnetBlock(256) for _ in range(9)]
+    for cin in (256, 128):
+        layers += [nn.ConvTranspose2d(cin, cin // 2, 3, stride=2, padding=1, output_padding=1), norm(cin // 2, False),
+                   nn.ReLU(True)]
+    layers += [nn.ReflectionPad2d(3), nn.Conv2d(64, 3, 7), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+class UNet3d(nn.Module):
+    """nnU-Net-style 3D U-Net: per level two (conv 3x3x3, InstanceNorm3d affine,
+    LeakyReLU 0.01); the first conv of each lower level has stride 2; decoder levels
+    take a transposed conv (kernel 2, stride 2) of the level below, concatenated with
+    the encoder's output of that level; a 1x1x1 conv to 3 classes."""
+
+    CHANNELS = (32, 64, 128, 256, 320)
+
+    @staticmethod
+    def stage(cin, cout, stride, norm):
+        return nn.Sequential(nn.Conv3d(cin, cout, 3, stride, 1), norm(cout, True), nn.LeakyReLU(0.01, True),
+                             nn.Conv3d(cout, cout, 3, 1, 1), norm(cout, True), nn.LeakyReLU(0.01, True))
+
+    def __init__(self, norm):
+        super().__init__()
+        channels = self.CHANNELS
+        self.encoder = nn.ModuleList(
+            [self.stage(cin, cout, 1 if i == 0 else 2, norm) for i, (cin, cout) in enumerate(zip((1, *channels), channels))])
+        self.up = nn.ModuleList([nn.ConvTranspose3d(channels[i + 1], channels[i], 2, 2) for i in range(4)])
+        self.decoder = nn.ModuleList([self.stage(2 * channels[i], channels[i], 1, norm) for i in range(4)])
+        self.head = nn.Conv3d(channels[0], 3, 1)
+
+    def forward(self, x):
+        skips = []
+        for stage in self.encoder:
+            x = stage(x)
+            skips.append(x)
+        x = skips.pop()
+        for i in reversed(range(4)):
+            x = self.decoder[i](torch.cat([self.up[i](x), skips[i]], 1))
+        return self.head(x)
+
+
+# name: (constructor taking the norm factory, spatial dims, input shape, output shape)
+NETS = {
+    "transformer": (lambda norm: TransformerNet(norm), 2, (4, 3, 256, 256), (4, 3, 256, 256)),
+    "cyclegan": (cyclegan_generator, 2, (1, 3, 256, 256), (1, 3, 256, 256)),
+    "unet3d": (lambda norm: UNet3d(norm), 3, (2, 1, 128, 128, 128), (2, 3, 128, 128, 128)),
+}
+
+
+def build(net, variant, device="cuda"):
+    make, dims, _, _ = NETS[net]
+    torch.manual_seed(0)
+    return make(norm_factory(variant, dims)).to(device)
+
+
+def count_norms(model):
+    return sum(type(m).__name__.startswith("InstanceNorm") for m in model.modules())
+
+
+def check_against_pytorch(net):
+    """(output error, worst parameter-gradient error) of ours against PyTorch's norms,
+    fp32, TF32 off, same weights and input: relative errors as the module docstring says."""
+    shape = NETS[net][2]
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(1)
+    x = torch.randn(shape, device="cuda")
+    results = []
+    for variant in ("pytorch", "ours"):
+        model = build(net, variant)
+        out = model(x)
+        out.square().mean().backward()
+        results.append((out.detach(), [p.grad.detach() for p in model.parameters()]))
+        del model, out
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    (out_ref, grads_ref), (out, grads) = results
+    output_error = ((out - out_ref).norm() / out_ref.norm()).item()
+    total = torch.sqrt(sum(g.double().square().sum() for g in grads_ref)).item()
+    grad_error = max(((g - r).norm() / (r.norm() + 1e-3 * total)).item() for g, r in zip(grads, grads_ref))
+    return output_error, grad_error
+
+
+def make_step(net, variant, mode):
+    """A closure running one SGD training step of a fresh `net` with `variant` norms in `mode`."""
+    _, _, in_shape, out_shape = NETS[net]
+    model = build(net, variant)
+    torch.manual_seed(2)
+    x, target = torch.randn(in_shape, device="cuda"), torch.randn(out_shape, device="cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    forward = torch.compile(model, mode="reduce-overhead") if mode == "compile" else model
+    autocast = mode != "fp32"
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = forward(x)
+        F.mse_loss(out.float(), target).backward()
+        optimizer.step()
+
+    return step
+
+
+def step_times_ms(step, steps):
+    times = []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def time_net(net, mode, steps, rounds, warmup):
+    """{variant: median step ms} over `rounds` rounds that alternate the variants."""
+    stepper = {variant: make_step(net, variant, mode) for variant in VARIANTS}
+    for step in stepper.values():
+        step_times_ms(step, warmup)
+    times = {variant: [] for variant in VARIANTS}
+    for _ in range(rounds):
+        for variant, step in stepper.items():
+            times[variant] += step_times_ms(step, steps)
+    return {variant: statistics.median(t) for variant, t in times.items()}
+
+
+def host_us(fn, calls):
+    """(host, wall) microseconds per call of fn over `calls` calls, after 10 warm-up calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - begin) / calls * 1e6
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - begin) / calls * 1e6
+
+
+# One layer of each 2d net: (shape, affine).
+HOST_LAYERS = (((1, 256, 64, 64), False), ((4, 128, 64, 64), True))
+
+
+def host_rows(calls):
+    import solution
+    rows = []
+    for shape, affine in HOST_LAYERS:
+        torch.manual_seed(3)
+        x = torch.randn(shape, device="cuda", requires_grad=True)
+        dy = torch.randn(shape, device="cuda")
+        for name, module in (("ours", solution.InstanceNorm2d(shape[1], affine=affine).cuda()),
+                             ("pytorch", nn.InstanceNorm2d(shape[1], affine=affine).cuda())):
+            inputs = (x, *module.parameters())
+
+            def forward():
+                with torch.no_grad():
+                    module(x)
+
+            forward_host, forward_wall = host_us(forward, calls)
+            both_host, both_wall = host_us(lambda: torch.autograd.grad(module(x), inputs, dy), calls)
+            rows.append({"shape": list(shape), "affine": affine, "norm": name, "forward_host_us": forward_host,
+                         "forward_wall_us": forward_wall, "forward_backward_host_us": both_host,
+                         "forward_backward_wall_us": both_wall})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nets", default=",".join(NETS), help="comma-separated: " + ", ".join(NETS))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds alternating the variants")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compile included)")
+    parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
+    parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    nets, modes = args.nets.split(","), args.modes.split(",")
+    unknown = sorted(set(nets) - set(NETS)) + sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown nets or modes: {', '.join(unknown)}")
+    if not torch.cuda.is_available():
+        print("benchmarks/nets.py needs a CUDA GPU and none is visible.", file=sys.stderr)
+        return 2
+    import solution  # builds the extension on first use
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+               "checks": {}, "steps": [], "host": []}
+    failed = False
+    for net in nets:
+        output_error, grad_error = check_against_pytorch(net)
+        ok = output_error < 1e-4 and grad_error < 1e-3
+        failed |= not ok
+        results["checks"][net] = {"output_error": output_error, "grad_error": grad_error, "ok": ok}
+        print(f"check {net}: {count_norms(build(net, 'ours'))} norms, output error {output_error:.2e}, "
+              f"worst gradient error {grad_error:.2e} ({'ok' if ok else 'FAILED'})", flush=True)
+    print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'identity':>9}  norm cost ours/pytorch (ms)")
+    for net in nets:
+        for mode in modes:
+            medians = time_net(net, mode, args.steps, args.rounds, args.warmup)
+            floor = medians["identity"]
+            ratio = (medians["ours"] - floor) / (medians["pytorch"] - floor)
+            results["steps"].append({"net": net, "mode": mode, **medians, "ratio": ratio})
+            print(f"{net:<12} {mode:<8} {medians['pytorch']:9.2f} {medians['ours']:9.2f} {floor:9.2f}  {ratio:.2f}",
+                  flush=True)
+            torch._dynamo.reset()
+    if not args.no_host:
+        print(f"\nhost us per call (wall) {'':<22} forward          forward+backward")
+        for row in host_rows(args.host_calls):
+            results["host"].append(row)
+            print(f"{str(tuple(row['shape'])):<18} affine={row['affine']!s:<5} {row['norm']:<8} "
+                  f"{row['forward_host_us']:6.1f} ({row['forward_wall_us']:6.1f})  "
+                  f"{row['forward_backward_host_us']:6.1f} ({row['forward_backward_wall_us']:6.1f})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""CPU tests of the C++ ops (TORCH_LIBRARY instance_norm_cuda): their registration,
+the front's CPU fallback, and what torch.compile traces from the front on fake CUDA
+tensors (no GPU needed to trace)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+OPS = ("forward", "backward", "forward_eval", "update_running_stats")
+
+
+def test_ops_have_cuda_fake_and_autograd_kernels(solution):
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name in OPS:
+        qualname = f"instance_norm_cuda::{name}"
+        assert has(qualname, "CUDA") and has(qualname, "Meta") and has(qualname, "Autograd"), name
+    assert has("instance_norm_cuda::instance_norm", "CompositeImplicitAutograd")
+    schema = str(torch.ops.instance_norm_cuda.update_running_stats.default._schema)
+    assert "Tensor(a!) running_mean" in schema and "Tensor(b!) running_var" in schema
+
+
+def test_front_op_runs_pytorch_on_cpu(solution):
+    torch.manual_seed(4)
+    x, weight, bias = torch.randn(2, 3, 6, 6), torch.randn(3), torch.randn(3)
+    ours = [torch.zeros(3), torch.ones(3)]
+    theirs = [t.clone() for t in ours]
+    out = torch.ops.instance_norm_cuda.instance_norm(x, *ours, weight, bias, True, 0.2, 1e-5)
+    torch.testing.assert_close(out, F.instance_norm(x, *theirs, weight, bias, True, 0.2, 1e-5))
+    torch.testing.assert_close(ours, theirs)
+
+
+def fake_cuda(*tensors):
+    """Fake CUDA tensors of the given (shape, memory_format) pairs."""
+    with FakeTensorMode():
+        return [torch.empty(shape, device="cuda").to(memory_format=layout) for shape, layout in tensors]
+
+
+def traced_ops(fn, *args):
+    graph = make_fx(fn, tracing_mode="fake")(*args)
+    return [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+
+
+def test_training_forward_traces_to_forward_and_the_running_update(solution):
+    x, weight, mean, var = fake_cuda(((2, 3, 8, 8), torch.channels_last), ((3,), torch.contiguous_format),
+                                     ((3,), torch.contiguous_format), ((3,), torch.contiguous_format))
+
+    def fn(x, weight, mean, var):
+        return solution.instance_norm(x, mean, var, weight, momentum=0.3)
+
+    ops = traced_ops(fn, x, weight, mean, var)
+    assert "instance_norm_cuda.forward.default" in ops and "instance_norm_cuda.update_running_stats.default" in ops
+    assert not any("clone" in op or "copy" in op for op in ops), ops  # channels-last is read in place
+    # The fake output keeps the input's layout, as the CUDA kernel's does.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y, _, _ = torch.ops.instance_norm_cuda.forward(x, weight, None, 1e-5)
+    assert y.stride() == x.stride()
+
+
+def test_eval_traces_to_forward_eval_and_other_strides_to_a_copy(solution):
+    x, mean, var = fake_cuda(((2, 3, 8, 8), torch.contiguous_format), ((3,), torch.contiguous_format),
+                             ((3,), torch.contiguous_format))
+
+    def fn(x, mean, var):
+        return solution.instance_norm(x.transpose(2, 3), mean, var, use_input_stats=False)
+
+    ops = traced_ops(fn, x, mean, var)
+    assert "instance_norm_cuda.forward_eval.default" in ops and "instance_norm_cuda.forward.default" not in ops
+    assert "aten.clone.default" in ops, ops
+
+
+def test_errors_are_raised_while_tracing(solution):
+    x, weight = fake_cuda(((2, 3, 8, 8), torch.contiguous_format), ((4,), torch.contiguous_format))
+    with pytest.raises(ValueError, match="weight must have C = 3 elements, got 4"):
+        traced_ops(lambda x, weight: solution.instance_norm(x, weight=weight), x, weight)
