@@ -24,6 +24,7 @@ an H200, and on Hopper larger slices (up to 524,288 fp32 / 1,048,576 16-bit valu
 e.g. 512 x 512) held in registers by a thread-block cluster.
 """
 import hashlib
+import inspect
 import os
 import sys
 import time
@@ -299,6 +300,11 @@ def _front(input, running_mean, running_var, weight, bias, use_input_stats, mome
     return _EXT.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
 
 
+# PyTorch's norms take (and print) a `bias` keyword from torch 2.14 on; the repr
+# follows the installed torch's.
+_TORCH_NORMS_TAKE_BIAS = "bias" in inspect.signature(nn.InstanceNorm2d).parameters
+
+
 class _InstanceNorm(nn.Module):
     """Base of InstanceNorm1d/2d/3d: the constructor, parameters, buffers, state
     dict and behaviour of PyTorch's _InstanceNorm (same errors and warnings;
@@ -353,8 +359,9 @@ class _InstanceNorm(nn.Module):
                 nn.init.zeros_(self.bias)
 
     def extra_repr(self):
+        bias = f"bias={self.bias is not None}, " if _TORCH_NORMS_TAKE_BIAS else ""
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-                f"bias={self.bias is not None}, track_running_stats={self.track_running_stats}")
+                f"{bias}track_running_stats={self.track_running_stats}")
 
     def forward(self, input):
         dim = input.dim()

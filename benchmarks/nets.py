@@ -2,6 +2,7 @@
 
     python benchmarks/nets.py [--nets transformer,cyclegan,unet3d] [--modes fp32,bf16,compile]
                               [--steps 10] [--rounds 3] [--warmup 3] [--host-calls 100] [--no-host] [--json PATH]
+    python benchmarks/nets.py --profile
 
 Three networks, written from their published designs:
 - transformer: the fast-neural-style transformer net (Johnson et al. 2016): reflection
@@ -28,13 +29,15 @@ waits for); the table gives medians in ms and the norm cost ratio
 (ours - identity) / (pytorch - identity).
 
 Before timing, each net's output and parameter gradients with our norms are
-checked against PyTorch's norms in fp32 (TF32 off for the check): each parameter's
+checked against PyTorch's norms in fp32 (TF32 off and cuDNN deterministic for
+the check): each parameter's
 gradient error relative to its own norm plus 1e-3 of the whole gradient's norm (a
 conv bias right before a norm has a true gradient of zero).
 
-The host section times one layer per call (a loop of --host-calls calls, timed on
-the host before the final synchronize): forward alone (no_grad) and forward +
-backward (torch.autograd.grad), ours against PyTorch's.
+The host section times one layer per call on the host (a loop of calls, timed before
+the final synchronize), ours against PyTorch's: forward alone (no_grad, --host-calls
+calls), and forward + backward per layer of a chain of CHAIN layers under one
+torch.autograd.grad.
 Needs a CUDA GPU; exits with status 2 without one.
 """
 import argparse
@@ -188,11 +191,14 @@ def count_norms(model):
 
 
 def check_against_pytorch(net):
-    """(output error, worst parameter-gradient error) of ours against PyTorch's norms,
-    fp32, TF32 off, same weights and input: relative errors as the module docstring says."""
+    """(output error, worst parameter-gradient error, that parameter's name) of ours
+    against PyTorch's norms: fp32, TF32 off, deterministic cuDNN, same weights and
+    input; relative errors as the module docstring says."""
     shape = NETS[net][2]
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.manual_seed(1)
     x = torch.randn(shape, device="cuda")
     results = []
@@ -200,14 +206,16 @@ def check_against_pytorch(net):
         model = build(net, variant)
         out = model(x)
         out.square().mean().backward()
-        results.append((out.detach(), [p.grad.detach() for p in model.parameters()]))
+        results.append((out.detach(), {name: p.grad.detach() for name, p in model.named_parameters()}))
         del model, out
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic,
+     torch.backends.cudnn.benchmark) = saved
     (out_ref, grads_ref), (out, grads) = results
     output_error = ((out - out_ref).norm() / out_ref.norm()).item()
-    total = torch.sqrt(sum(g.double().square().sum() for g in grads_ref)).item()
-    grad_error = max(((g - r).norm() / (r.norm() + 1e-3 * total)).item() for g, r in zip(grads, grads_ref))
-    return output_error, grad_error
+    total = torch.sqrt(sum(g.double().square().sum() for g in grads_ref.values())).item()
+    errors = {name: ((grads[name] - r).norm() / (r.norm() + 1e-3 * total)).item() for name, r in grads_ref.items()}
+    worst = max(errors, key=errors.get)
+    return output_error, errors[worst], worst
 
 
 def make_step(net, variant, mode):
@@ -267,6 +275,10 @@ def host_us(fn, calls):
 
 # One layer of each 2d net: (shape, affine).
 HOST_LAYERS = (((1, 256, 64, 64), False), ((4, 128, 64, 64), True))
+# Forward + backward is timed through a chain of this many layers and one
+# torch.autograd.grad, as in a network (the engine's fixed cost per call, about
+# 100 us on the H200 machine, is shared by the chain), and reported per layer.
+CHAIN = 16
 
 
 def host_rows(calls):
@@ -276,20 +288,62 @@ def host_rows(calls):
         torch.manual_seed(3)
         x = torch.randn(shape, device="cuda", requires_grad=True)
         dy = torch.randn(shape, device="cuda")
-        for name, module in (("ours", solution.InstanceNorm2d(shape[1], affine=affine).cuda()),
-                             ("pytorch", nn.InstanceNorm2d(shape[1], affine=affine).cuda())):
-            inputs = (x, *module.parameters())
+        for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d)):
+            chain = nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
+            inputs = (x, *chain.parameters())
 
             def forward():
                 with torch.no_grad():
-                    module(x)
+                    chain[0](x)
 
             forward_host, forward_wall = host_us(forward, calls)
-            both_host, both_wall = host_us(lambda: torch.autograd.grad(module(x), inputs, dy), calls)
+            both_host, both_wall = host_us(lambda: torch.autograd.grad(chain(x), inputs, dy), max(calls // CHAIN, 10))
             rows.append({"shape": list(shape), "affine": affine, "norm": name, "forward_host_us": forward_host,
-                         "forward_wall_us": forward_wall, "forward_backward_host_us": both_host,
-                         "forward_backward_wall_us": both_wall})
+                         "forward_wall_us": forward_wall, "forward_backward_host_us": both_host / CHAIN,
+                         "forward_backward_wall_us": both_wall / CHAIN})
     return rows
+
+
+def profile_layer(calls):
+    """The profiler's CPU table (self time) of `calls` forward + backward calls of the
+    first host layer, ours and PyTorch's: where the host time goes."""
+    import solution
+    shape, affine = HOST_LAYERS[0]
+    x = torch.randn(shape, device="cuda", requires_grad=True)
+    dy = torch.randn(shape, device="cuda")
+    for name, module in (("ours", solution.InstanceNorm2d(shape[1], affine=affine).cuda()),
+                         ("pytorch", nn.InstanceNorm2d(shape[1], affine=affine).cuda())):
+        host_us(lambda: torch.autograd.grad(module(x), x, dy), 10)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for _ in range(calls):
+                torch.autograd.grad(module(x), x, dy)
+            torch.cuda.synchronize()
+        print(f"\n{name}: {shape}, affine={affine}, {calls} forward + backward calls")
+        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+def path_host_rows(calls):
+    """Host us per call of every forward and backward kernel path that can run the
+    first host layer, called directly (no autograd, no front)."""
+    import solution
+    ext = solution._EXT
+    shape, _ = HOST_LAYERS[0]
+    x, dy = torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda")
+    _, mean, rstd = ext.forward_with_stats(x)
+    rows = [("torch.neg (one ATen launch)", host_us(lambda: torch.neg(x), calls)),
+            ("torch.autograd.grad of x * 2", host_us(lambda: torch.autograd.grad(x.requires_grad_() * 2, x, dy), calls))]
+    x.requires_grad_(False)
+    for path in range(1, ext.num_forward_paths):
+        if ext.path_supported(x, path):
+            rows.append((f"forward path {path}", host_us(lambda: ext.forward(x, path=path), calls)))
+    for path in range(1, ext.num_backward_paths):
+        if ext.backward_path_supported(x, path):
+            rows.append((f"backward path {path}",
+                         host_us(lambda: ext.backward(dy, x, mean, rstd, None, path, False), calls)))
+    print(f"\nhost us per direct call (wall), {shape}, chosen forward path {ext.chosen_path(x)}")
+    for name, (host, wall) in rows:
+        print(f"  {name:<30} {host:7.1f} ({wall:7.1f})")
 
 
 def main():
@@ -301,6 +355,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compile included)")
     parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
+    parser.add_argument("--profile", action="store_true", help="only print the profiler's table of one layer's calls")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     nets, modes = args.nets.split(","), args.modes.split(",")
@@ -312,17 +367,22 @@ def main():
         return 2
     import solution  # builds the extension on first use
 
+    if args.profile:
+        path_host_rows(args.host_calls)
+        profile_layer(20)
+        return 0
+
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                "checks": {}, "steps": [], "host": []}
     failed = False
     for net in nets:
-        output_error, grad_error = check_against_pytorch(net)
+        output_error, grad_error, worst = check_against_pytorch(net)
         ok = output_error < 1e-4 and grad_error < 1e-3
         failed |= not ok
-        results["checks"][net] = {"output_error": output_error, "grad_error": grad_error, "ok": ok}
+        results["checks"][net] = {"output_error": output_error, "grad_error": grad_error, "worst": worst, "ok": ok}
         print(f"check {net}: {count_norms(build(net, 'ours'))} norms, output error {output_error:.2e}, "
-              f"worst gradient error {grad_error:.2e} ({'ok' if ok else 'FAILED'})", flush=True)
+              f"worst gradient error {grad_error:.2e} ({worst}) ({'ok' if ok else 'FAILED'})", flush=True)
     print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'identity':>9}  norm cost ours/pytorch (ms)")
     for net in nets:
         for mode in modes:
@@ -334,7 +394,7 @@ def main():
                   flush=True)
             torch._dynamo.reset()
     if not args.no_host:
-        print(f"\nhost us per call (wall) {'':<22} forward          forward+backward")
+        print(f"\nhost us per call (wall) {'':<22} forward          forward+backward per layer of {CHAIN}")
         for row in host_rows(args.host_calls):
             results["host"].append(row)
             print(f"{str(tuple(row['shape'])):<18} affine={row['affine']!s:<5} {row['norm']:<8} "

@@ -179,16 +179,27 @@ update_running_stats_op() {
   return op;
 }
 
+Stats forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                   const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
+                   bool save_stats);
+
+bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> tensors) {
+  for (const std::optional<at::Tensor>* t : tensors)
+    if (t->has_value() && (*t)->requires_grad()) return true;
+  return false;
+}
+
 // PyTorch's F.instance_norm (input, running_mean, running_var, weight, bias,
 // use_input_stats, momentum, eps) on this project's kernels; see solution.instance_norm
 // for the semantics. CUDA float32, float16 and bfloat16 inputs run the kernels (other
 // strides than contiguous and channels-last are copied to contiguous first); others
-// run PyTorch's op. Registered as CompositeImplicitAutograd: torch.compile traces
-// through it to the ops it calls.
-at::Tensor instance_norm_front(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
-                               const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum,
-                               double eps) {
+// run PyTorch's op. `eager`: called on real tensors from Python, not traced, so a
+// forward that needs neither a gradient nor the statistics launches directly,
+// without allocating mean and rstd.
+at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
+                 const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
+                 const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum, double eps,
+                 bool eager) {
   check_arguments(input, running_mean, running_var, weight, bias, use_input_stats);
   if (!input.is_cuda() || !kernel_dtype(input.scalar_type())) {
     return at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
@@ -197,55 +208,87 @@ at::Tensor instance_norm_front(const at::Tensor& input, const std::optional<at::
   TORCH_CHECK(eps >= 0.0, "instance_norm: eps must be >= 0, got ", text(eps));
   const at::Tensor x = readable(input);
   if (!use_input_stats) return forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps);
+  if (eager && !running_mean.has_value() &&
+      !(at::GradMode::is_enabled() && (x.requires_grad() || any_requires_grad({&weight, &bias})))) {
+    return std::get<0>(forward_impl(x, weight, bias, eps, instance_norm::ForwardPath::kAuto, false));
+  }
   const auto [y, mean, rstd] = forward_op().call(x, weight, bias, eps);
   if (running_mean.has_value()) update_running_stats_op().call(*running_mean, *running_var, x, mean, rstd, momentum, eps);
   return y;
+}
+
+// The op instance_norm_cuda::instance_norm, registered as CompositeImplicitAutograd:
+// torch.compile and torch.export trace through it to the ops it calls.
+at::Tensor instance_norm_op(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
+                            const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum,
+                            double eps) {
+  return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, false);
+}
+
+// What eager Python calls (pybind11): one call for the whole layer.
+at::Tensor instance_norm_eager(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
+                               const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum,
+                               double eps) {
+  return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, true);
 }
 
 // ---------------------------------------------------------------------------
 // 2. Autograd
 // ---------------------------------------------------------------------------
 
-std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
+// The autograd edges of a Function's inputs: one per tensor argument given, in order
+// (an absent optional has none); needs_input_grad takes the edge's index.
+struct ParameterEdges {
+  int64_t weight, bias;  // -1 when absent
 
-bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> tensors) {
-  for (const std::optional<at::Tensor>* t : tensors)
-    if (t->has_value() && (*t)->requires_grad()) return true;
-  return false;
-}
+  ParameterEdges(int64_t first, const std::optional<at::Tensor>& weight_arg, const std::optional<at::Tensor>& bias_arg)
+      : weight(weight_arg ? first : -1), bias(bias_arg ? first + (weight_arg ? 1 : 0) : -1) {}
+  ParameterEdges(AutogradContext* ctx)
+      : weight(ctx->saved_data["weight_edge"].toInt()), bias(ctx->saved_data["bias_edge"].toInt()) {}
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["weight_edge"] = weight;
+    ctx->saved_data["bias_edge"] = bias;
+  }
+  static bool needs(AutogradContext* ctx, int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); }
+};
 
 // Autograd of forward: only y is differentiable (mean and rstd are saved statistics).
-// The backward is not itself differentiable: the backward op has no derivative, so a
-// double backward raises.
+// The backward is not itself differentiable: a double backward raises
+// (BackwardFunction).
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
  public:
   static constexpr bool is_traceable = true;  // compiled autograd traces the backward
 
-  // weight, bias: undefined tensors for None (each takes one gradient slot).
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                               const at::Tensor& bias, double eps) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, double eps) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, mean, rstd] = forward_op().call(input, optional_tensor(weight), optional_tensor(bias), eps);
-    ctx->save_for_backward({input, weight, mean, rstd});
-    ctx->saved_data["bias_dtype"] = bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : int64_t{-1};
+    auto [y, mean, rstd] = forward_op().call(input, weight, bias, eps);
+    ctx->save_for_backward({input, weight.value_or(at::Tensor()), mean, rstd});
+    ctx->saved_data["bias_dtype"] = bias ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1};
+    ParameterEdges(1, weight, bias).save(ctx);
     ctx->mark_non_differentiable({mean, rstd});
     // grad_mean and grad_rstd are never used: no (N * C) zeros are filled for them.
     ctx->set_materialize_grads(false);
     return {y, mean, rstd};
   }
 
+  // One gradient per forward argument: (input, weight, bias, eps).
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
-    const bool weight_grad = ctx->needs_input_grad(1), bias_grad = ctx->needs_input_grad(2);
+    const ParameterEdges edges(ctx);
+    const bool weight_grad = ParameterEdges::needs(ctx, edges.weight);
+    const bool bias_grad = ParameterEdges::needs(ctx, edges.bias);
     // Without a parameter that needs them (none given, or frozen), the kernel skips
     // the per-channel reductions.
-    auto [grad_input, grad_weight, grad_bias] = backward_op().call(
-        like_layout(grads[0], input), input, saved[2], saved[3], optional_tensor(weight), weight_grad || bias_grad);
+    auto [grad_input, grad_weight, grad_bias] =
+        backward_op().call(like_layout(grads[0], input), input, saved[2], saved[3],
+                           weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, weight_grad || bias_grad);
     const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
     return {ctx->needs_input_grad(0) ? grad_input : at::Tensor(),
             weight_grad ? grad_weight.to(weight.scalar_type()) : at::Tensor(),
@@ -259,8 +302,37 @@ Stats forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>&
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward_op().call(input, weight, bias, eps);
   }
-  const variable_list out =
-      ForwardFunction::apply(input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), eps);
+  const variable_list out = ForwardFunction::apply(input, weight, bias, eps);
+  return {out[0], out[1], out[2]};
+}
+
+// Autograd of the backward op: a plain backward (grad mode off, as the engine runs
+// it, or nothing that needs a gradient) dispatches straight below autograd; under
+// create_graph the outputs get a node whose backward raises.
+class BackwardFunction : public torch::autograd::Function<BackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_output, const at::Tensor& input,
+                               const at::Tensor& mean, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+                               bool channel_sums) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [grad_input, grad_weight, grad_bias] = backward_op().call(grad_output, input, mean, rstd, weight, channel_sums);
+    return {grad_input, grad_weight, grad_bias};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(false, "instance_norm: double backward (a derivative of the backward) is not supported");
+    return {};
+  }
+};
+
+Stats backward_autograd(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                        const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool channel_sums) {
+  if (!at::GradMode::is_enabled() ||
+      !(grad_output.requires_grad() || input.requires_grad() || any_requires_grad({&weight}))) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return backward_op().call(grad_output, input, mean, rstd, weight, channel_sums);
+  }
+  const variable_list out = BackwardFunction::apply(grad_output, input, mean, rstd, weight, channel_sums);
   return {out[0], out[1], out[2]};
 }
 
@@ -272,20 +344,22 @@ class EvalFunction : public torch::autograd::Function<EvalFunction> {
   static constexpr bool is_traceable = true;
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& running_mean,
-                               const at::Tensor& running_var, const at::Tensor& weight, const at::Tensor& bias,
-                               double eps) {
+                               const at::Tensor& running_var, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, double eps) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor y = forward_eval_op().call(input, running_mean, running_var, optional_tensor(weight),
-                                          optional_tensor(bias), eps);
-    ctx->save_for_backward({input, running_mean, running_var, weight});
+    at::Tensor y = forward_eval_op().call(input, running_mean, running_var, weight, bias, eps);
+    ctx->save_for_backward({input, running_mean, running_var, weight.value_or(at::Tensor())});
     ctx->saved_data["eps"] = eps;
-    ctx->saved_data["bias_dtype"] = bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : int64_t{-1};
+    ctx->saved_data["bias_dtype"] = bias ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1};
+    ParameterEdges(3, weight, bias).save(ctx);
     return {y};
   }
 
+  // One gradient per forward argument: (input, running_mean, running_var, weight, bias, eps).
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &input = saved[0], &running_mean = saved[1], &running_var = saved[2], &weight = saved[3];
+    const ParameterEdges edges(ctx);
     std::vector<int64_t> shape(input.dim(), 1), reduce_dims{0};
     shape[1] = -1;
     for (int64_t d = 2; d < input.dim(); ++d) reduce_dims.push_back(d);
@@ -296,11 +370,11 @@ class EvalFunction : public torch::autograd::Function<EvalFunction> {
       const at::Tensor scale = weight.defined() ? rstd * weight.to(at::kFloat).view(shape) : rstd;
       grad_input = (grad * scale).to(input.scalar_type());
     }
-    if (ctx->needs_input_grad(3)) {
+    if (ParameterEdges::needs(ctx, edges.weight)) {
       const at::Tensor xhat = (input.to(at::kFloat) - running_mean.to(at::kFloat).view(shape)) * rstd;
       grad_weight = (grad * xhat).sum(reduce_dims).to(weight.scalar_type());
     }
-    if (ctx->needs_input_grad(4)) {
+    if (ParameterEdges::needs(ctx, edges.bias)) {
       grad_bias = grad.sum(reduce_dims).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
     }
     return {grad_input, at::Tensor(), at::Tensor(), grad_weight, grad_bias, at::Tensor()};
@@ -314,8 +388,7 @@ at::Tensor forward_eval_autograd(const at::Tensor& input, const at::Tensor& runn
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward_eval_op().call(input, running_mean, running_var, weight, bias, eps);
   }
-  return EvalFunction::apply(input, running_mean, running_var, weight.value_or(at::Tensor()),
-                             bias.value_or(at::Tensor()), eps)[0];
+  return EvalFunction::apply(input, running_mean, running_var, weight, bias, eps)[0];
 }
 
 // ---------------------------------------------------------------------------
@@ -428,9 +501,10 @@ Stats forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
   const std::optional<at::Tensor> bias_f32 = channel_float32(bias, "bias", x);
   instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
   at::Tensor mean, rstd;
-  if (save_stats) {
-    mean = float_buffer(problem.num_slices(), x);
-    rstd = float_buffer(problem.num_slices(), x);
+  if (save_stats) {  // one allocation for both (each allocation costs host time)
+    const at::Tensor stats = at::empty({2, problem.num_slices()}, x.options().dtype(at::kFloat));
+    mean = stats[0];
+    rstd = stats[1];
     problem.mean = mean.data_ptr<float>();
     problem.rstd = rstd.data_ptr<float>();
   }
@@ -534,27 +608,26 @@ Stats backward_impl(const at::Tensor& grad_output, const at::Tensor& input, cons
   problem.rstd = rstd.data_ptr<float>();
   TORCH_CHECK(instance_norm::backward_path_supported(path, problem), "backward path ", text(static_cast<int>(path)),
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
-  at::Tensor sum_dy = float_buffer(num_slices, input);
-  at::Tensor sum_dy_xhat = float_buffer(num_slices, input);
+  // One allocation for both per-slice sums (each allocation costs host time).
+  const at::Tensor sums = float_buffer(2 * num_slices, input);
   problem.dx = grad_input.data_ptr();  // before sizing the workspace: the path may depend on dx's alignment
   const size_t workspace_bytes = instance_norm::backward_workspace_bytes(problem, path);
   at::Tensor workspace;
   if (workspace_bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, input.options().dtype(at::kByte));
   }
-  problem.sum_dy = sum_dy.data_ptr<float>();
-  problem.sum_dy_xhat = sum_dy_xhat.data_ptr<float>();
+  problem.sum_dy = sums.data_ptr<float>();
+  problem.sum_dy_xhat = problem.sum_dy + num_slices;
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
   const cudaStream_t stream = current_stream(input.device());
   C10_CUDA_CHECK(instance_norm::backward(problem, path, stream));
-  const int64_t channels = channel_sums ? input.size(1) : 0;
-  at::Tensor grad_weight = float_buffer(channels, input), grad_bias = float_buffer(channels, input);
-  if (channel_sums) {
-    C10_CUDA_CHECK(instance_norm::parameter_gradients(grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(),
-                                                      problem.sum_dy_xhat, problem.sum_dy, input.size(0), channels,
-                                                      stream));
-  }
-  return {grad_input, grad_weight, grad_bias};
+  if (!channel_sums) return {grad_input, float_buffer(0, input), float_buffer(0, input)};
+  const int64_t channels = input.size(1);
+  const at::Tensor parameter_grads = at::empty({2, channels}, input.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(instance_norm::parameter_gradients(parameter_grads.data_ptr<float>(),
+                                                    parameter_grads.data_ptr<float>() + channels, problem.sum_dy_xhat,
+                                                    problem.sum_dy, input.size(0), channels, stream));
+  return {grad_input, parameter_grads[0], parameter_grads[1]};
 }
 
 Stats backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
@@ -629,7 +702,7 @@ TORCH_LIBRARY(instance_norm_cuda, m) {
 }
 
 TORCH_LIBRARY_IMPL(instance_norm_cuda, CompositeImplicitAutograd, m) {
-  m.impl("instance_norm", &instance_norm_front);
+  m.impl("instance_norm", &instance_norm_op);
 }
 
 TORCH_LIBRARY_IMPL(instance_norm_cuda, CUDA, m) {
@@ -642,7 +715,7 @@ TORCH_LIBRARY_IMPL(instance_norm_cuda, CUDA, m) {
 TORCH_LIBRARY_IMPL(instance_norm_cuda, Autograd, m) {
   m.impl("forward", &forward_autograd);
   m.impl("forward_eval", &forward_eval_autograd);
-  m.impl("backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("backward", &backward_autograd);
   m.impl("update_running_stats", torch::autograd::autogradNotImplementedFallback());
 }
 
@@ -653,7 +726,7 @@ TORCH_LIBRARY_IMPL(instance_norm_cuda, ADInplaceOrView, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "InstanceNorm CUDA kernels (see kernels/instance_norm.h and kernels/instance_norm_entry.cpp)";
-  m.def("instance_norm", &instance_norm_front,
+  m.def("instance_norm", &instance_norm_eager,
         "F.instance_norm on the kernels: (input, running_mean, running_var, weight, bias, use_input_stats, momentum, "
         "eps), positional");
   m.def("forward", &forward_test, "forward (y only) on a forced path (0 = automatic)", py::arg("input"),

@@ -30,17 +30,16 @@ def kernel_names(fn):
 
 
 def test_compiled_training_step_matches_eager_and_copies_nothing(solution):
-    """fullgraph under bf16 autocast: gradients match the eager step with PyTorch's
-    norms, and the compiled step runs no more copy or clone kernels than the same net
-    with nn.Identity in place of the norms."""
+    """fullgraph under bf16 autocast: the same gradients as the eager step, and the
+    compiled step runs no more copy or clone kernels than the same net with
+    nn.Identity in place of the norms."""
     x = torch.randn(4, 3, 32, 32, device="cuda")
-    copies = {}
-    grads = {}
-    for name, norm in (("ours", lambda c: solution.InstanceNorm2d(c, affine=True)),
-                       ("identity", lambda c: nn.Identity()),
-                       ("pytorch", lambda c: nn.InstanceNorm2d(c, affine=True))):
+    copies, grads = {}, {}
+    for name, norm, compiled in (("ours", lambda c: solution.InstanceNorm2d(c, affine=True), True),
+                                 ("identity", lambda c: nn.Identity(), True),
+                                 ("eager", lambda c: solution.InstanceNorm2d(c, affine=True), False)):
         model = conv_net(norm)
-        step_model = model if name == "pytorch" else torch.compile(model, fullgraph=True)
+        step_model = torch.compile(model, fullgraph=True) if compiled else model
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -53,9 +52,9 @@ def test_compiled_training_step_matches_eager_and_copies_nothing(solution):
         grads[name] = [p.grad.float() for p in model.parameters()]
         torch._dynamo.reset()
     assert len(copies["ours"]) <= len(copies["identity"]), copies
-    for ours, theirs in zip(grads["ours"], grads["pytorch"]):
-        scale = theirs.norm() + 1e-3 * sum(g.norm() for g in grads["pytorch"])
-        assert ((ours - theirs).norm() / scale).item() < 3e-2
+    total = sum(g.norm() for g in grads["eager"])
+    for ours, eager in zip(grads["ours"], grads["eager"]):
+        assert ((ours - eager).norm() / (eager.norm() + 1e-3 * total)).item() < 1e-2
 
 
 def test_compiled_autograd_traces_the_backward(solution):
