@@ -475,7 +475,9 @@ void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::F
   TORCH_CHECK(instance_norm::forward_path_supported(path, problem), "path ", text(static_cast<int>(path)),
               " cannot run ", text(problem.num_slices()), " slices of ", text(problem.spatial), " ", x.scalar_type(),
               " elements in this layout on this GPU (see kernels/instance_norm.h)");
-  problem.y = output.data_ptr();  // before sizing the workspace: the path may depend on y's alignment
+  problem.y = output.data_ptr();  // before choosing: the path may depend on y's alignment
+  // Chosen once here; workspace sizing and launch then take the concrete path.
+  if (path == instance_norm::ForwardPath::kAuto) path = instance_norm::choose_forward_path(problem);
   const size_t workspace_bytes = instance_norm::forward_workspace_bytes(problem, path);
   at::Tensor workspace;
   if (workspace_bytes > 0) workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
@@ -500,11 +502,12 @@ Stats forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
   const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", x);
   const std::optional<at::Tensor> bias_f32 = channel_float32(bias, "bias", x);
   instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
+  // mean and rstd are separate tensors, as the fake kernel says: the op's outputs
+  // share no storage.
   at::Tensor mean, rstd;
-  if (save_stats) {  // one allocation for both (each allocation costs host time)
-    const at::Tensor stats = at::empty({2, problem.num_slices()}, x.options().dtype(at::kFloat));
-    mean = stats[0];
-    rstd = stats[1];
+  if (save_stats) {
+    mean = float_buffer(problem.num_slices(), x);
+    rstd = float_buffer(problem.num_slices(), x);
     problem.mean = mean.data_ptr<float>();
     problem.rstd = rstd.data_ptr<float>();
   }
@@ -610,7 +613,8 @@ Stats backward_impl(const at::Tensor& grad_output, const at::Tensor& input, cons
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
   // One allocation for both per-slice sums (each allocation costs host time).
   const at::Tensor sums = float_buffer(2 * num_slices, input);
-  problem.dx = grad_input.data_ptr();  // before sizing the workspace: the path may depend on dx's alignment
+  problem.dx = grad_input.data_ptr();  // before choosing: the path may depend on dx's alignment
+  if (path == instance_norm::BackwardPath::kAuto) path = instance_norm::choose_backward_path(problem);
   const size_t workspace_bytes = instance_norm::backward_workspace_bytes(problem, path);
   at::Tensor workspace;
   if (workspace_bytes > 0) {
@@ -623,11 +627,11 @@ Stats backward_impl(const at::Tensor& grad_output, const at::Tensor& input, cons
   C10_CUDA_CHECK(instance_norm::backward(problem, path, stream));
   if (!channel_sums) return {grad_input, float_buffer(0, input), float_buffer(0, input)};
   const int64_t channels = input.size(1);
-  const at::Tensor parameter_grads = at::empty({2, channels}, input.options().dtype(at::kFloat));
-  C10_CUDA_CHECK(instance_norm::parameter_gradients(parameter_grads.data_ptr<float>(),
-                                                    parameter_grads.data_ptr<float>() + channels, problem.sum_dy_xhat,
-                                                    problem.sum_dy, input.size(0), channels, stream));
-  return {grad_input, parameter_grads[0], parameter_grads[1]};
+  at::Tensor grad_weight = float_buffer(channels, input), grad_bias = float_buffer(channels, input);
+  C10_CUDA_CHECK(instance_norm::parameter_gradients(grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(),
+                                                    problem.sum_dy_xhat, problem.sum_dy, input.size(0), channels,
+                                                    stream));
+  return {grad_input, grad_weight, grad_bias};
 }
 
 Stats backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
