@@ -28,11 +28,13 @@ time taken on the host with a synchronize after it (host time included: what a u
 waits for); the table gives medians in ms and the norm cost ratio
 (ours - identity) / (pytorch - identity).
 
-Before timing, each net's output and parameter gradients with our norms are
-checked against PyTorch's norms in fp32 (TF32 off and cuDNN deterministic for
-the check): each parameter's
-gradient error relative to its own norm plus 1e-3 of the whole gradient's norm (a
-conv bias right before a norm has a true gradient of zero).
+Before timing, each net's output and parameter gradients in fp32 (TF32 off, cuDNN
+deterministic), with our norms and with PyTorch's, are compared with the same net
+in float64: each parameter's gradient error relative to its own norm plus 1e-3 of
+the whole gradient's norm (a conv bias right before a norm has a true gradient of
+zero). A net passes where ours is within twice PyTorch's own fp32 error: deep nets
+amplify rounding, so fp32 gradients are themselves far from float64's
+(docs/perf-notes.md, "Real networks").
 
 The host section times one layer per call on the host (a loop of calls, timed before
 the final synchronize), ours against PyTorch's: forward alone (no_grad, --host-calls
@@ -190,10 +192,29 @@ def count_norms(model):
     return sum(type(m).__name__.startswith("InstanceNorm") for m in model.modules())
 
 
+def output_and_gradients(model, x):
+    """(output, {parameter name: gradient}) of one forward and backward of mean(out^2), in float64."""
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach().double(), {name: p.grad.detach().double() for name, p in model.named_parameters()}
+
+
+def errors_against(result, reference):
+    """(output error, worst parameter-gradient error, its parameter): norms of the
+    difference relative to the reference's, each gradient's relative to its own norm
+    plus 1e-3 of the whole gradient's norm (a conv bias right before a norm has a
+    true gradient of zero)."""
+    (out, grads), (out_ref, grads_ref) = result, reference
+    total = torch.sqrt(sum(g.square().sum() for g in grads_ref.values())).item()
+    errors = {name: ((grads[name] - r).norm() / (r.norm() + 1e-3 * total)).item() for name, r in grads_ref.items()}
+    worst = max(errors, key=errors.get)
+    return ((out - out_ref).norm() / out_ref.norm()).item(), errors[worst], worst
+
+
 def check_against_pytorch(net):
-    """(output error, worst parameter-gradient error, that parameter's name) of ours
-    against PyTorch's norms: fp32, TF32 off, deterministic cuDNN, same weights and
-    input; relative errors as the module docstring says."""
+    """{variant: errors_against the float64 net} for PyTorch's norms and ours, both in
+    fp32 (TF32 off, deterministic cuDNN), same weights and input. The float64 net runs
+    PyTorch's norms (ours take float64 to PyTorch's op too)."""
     shape = NETS[net][2]
     saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic,
              torch.backends.cudnn.benchmark)
@@ -201,21 +222,18 @@ def check_against_pytorch(net):
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.manual_seed(1)
     x = torch.randn(shape, device="cuda")
-    results = []
-    for variant in ("pytorch", "ours"):
-        model = build(net, variant)
-        out = model(x)
-        out.square().mean().backward()
-        results.append((out.detach(), {name: p.grad.detach() for name, p in model.named_parameters()}))
-        del model, out
+    reference = output_and_gradients(build(net, "pytorch").double(), x.double())
+    errors = {variant: errors_against(output_and_gradients(build(net, variant), x), reference)
+              for variant in ("pytorch", "ours")}
     (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic,
      torch.backends.cudnn.benchmark) = saved
-    (out_ref, grads_ref), (out, grads) = results
-    output_error = ((out - out_ref).norm() / out_ref.norm()).item()
-    total = torch.sqrt(sum(g.double().square().sum() for g in grads_ref.values())).item()
-    errors = {name: ((grads[name] - r).norm() / (r.norm() + 1e-3 * total)).item() for name, r in grads_ref.items()}
-    worst = max(errors, key=errors.get)
-    return output_error, errors[worst], worst
+    return errors
+
+
+def accurate_as_pytorch(errors):
+    """Ours within twice PyTorch's own fp32 error (plus 1e-6) of the float64 net, output and gradients."""
+    (out_ours, grad_ours, _), (out_theirs, grad_theirs, _) = errors["ours"], errors["pytorch"]
+    return out_ours <= 2 * out_theirs + 1e-6 and grad_ours <= 2 * grad_theirs + 1e-6
 
 
 def make_step(net, variant, mode):
@@ -377,12 +395,13 @@ def main():
                "checks": {}, "steps": [], "host": []}
     failed = False
     for net in nets:
-        output_error, grad_error, worst = check_against_pytorch(net)
-        ok = output_error < 1e-4 and grad_error < 1e-3
+        errors = check_against_pytorch(net)
+        ok = accurate_as_pytorch(errors)
         failed |= not ok
-        results["checks"][net] = {"output_error": output_error, "grad_error": grad_error, "worst": worst, "ok": ok}
-        print(f"check {net}: {count_norms(build(net, 'ours'))} norms, output error {output_error:.2e}, "
-              f"worst gradient error {grad_error:.2e} ({worst}) ({'ok' if ok else 'FAILED'})", flush=True)
+        results["checks"][net] = {"errors": errors, "ok": ok}
+        print(f"check {net}, {count_norms(build(net, 'ours'))} norms, fp32 against the float64 net: " + "; ".join(
+            f"{variant} output {out:.2e}, worst gradient {grad:.2e} ({name})"
+            for variant, (out, grad, name) in errors.items()) + f" ({'ok' if ok else 'FAILED'})", flush=True)
     print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'identity':>9}  norm cost ours/pytorch (ms)")
     for net in nets:
         for mode in modes:

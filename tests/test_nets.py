@@ -1,0 +1,53 @@
+"""CPU tests of the real-network benchmark's nets (benchmarks/nets.py): the published
+architectures' norm and parameter counts, the same conv weights for every norm
+variant, and the accuracy comparison."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def nets(solution):
+    spec = importlib.util.spec_from_file_location("nets", os.path.join(ROOT, "benchmarks", "nets.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# net: (norms, parameters of the published design, a small input)
+DESIGNS = {"transformer": (15, 1_679_235, (1, 3, 32, 32)), "cyclegan": (23, 11_378_179, (1, 3, 32, 32)),
+           "unet3d": (18, 16_546_723, (1, 1, 32, 32, 32))}
+
+
+@pytest.mark.parametrize("net", sorted(DESIGNS))
+def test_nets_follow_their_designs(nets, net):
+    norms, parameters, shape = DESIGNS[net]
+    output_shape = nets.NETS[net][3]
+    models = {variant: nets.build(net, variant, "cpu") for variant in nets.VARIANTS}
+    assert nets.count_norms(models["pytorch"]) == nets.count_norms(models["ours"]) == norms
+    assert nets.count_norms(models["identity"]) == 0
+    assert sum(p.numel() for p in models["pytorch"].parameters()) == parameters
+    out = models["ours"](torch.randn(shape))
+    assert out.shape[1] == output_shape[1] and out.shape[2:] == shape[2:]
+    # One seed, the same conv weights in every variant (norms draw no random numbers).
+    convs = {variant: [p for name, p in m.named_parameters() if p.dim() > 1] for variant, m in models.items()}
+    for theirs in (convs["ours"], convs["identity"]):
+        assert all(torch.equal(a, b) for a, b in zip(convs["pytorch"], theirs))
+
+
+def test_accuracy_comparison(nets):
+    model = nets.build("transformer", "pytorch", "cpu")
+    x = torch.randn(1, 3, 32, 32)
+    reference = nets.output_and_gradients(model.double(), x.double())
+    assert nets.errors_against(reference, reference)[:2] == (0.0, 0.0)
+    noisy = (reference[0] * (1 + 1e-3), {name: g * (1 + 1e-3) for name, g in reference[1].items()})
+    output_error, grad_error, _ = nets.errors_against(noisy, reference)
+    assert output_error == pytest.approx(1e-3) and grad_error <= 1e-3
+    errors = {"pytorch": (1e-6, 1e-3, "a"), "ours": (1.5e-6, 1.9e-3, "b")}
+    assert nets.accurate_as_pytorch(errors)
+    errors["ours"] = (1.5e-6, 2.5e-3, "b")
+    assert not nets.accurate_as_pytorch(errors)
