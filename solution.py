@@ -364,14 +364,15 @@ class _InstanceNorm(nn.Module):
                 f"{bias}track_running_stats={self.track_running_stats}")
 
     def forward(self, input):
-        dim = input.dim()
-        feature_dim = dim - self._spatial_dims - 1  # 1 batched, 0 unbatched
+        shape = input.shape  # one call into torch for the rank and C (size() costs more)
+        feature_dim = len(shape) - self._spatial_dims - 1  # 1 batched, 0 unbatched
         if feature_dim not in (0, 1):
-            raise ValueError(f"expected {self._spatial_dims + 1}D or {self._spatial_dims + 2}D input (got {dim}D input)")
-        if input.size(feature_dim) != self.num_features:
+            raise ValueError(f"expected {self._spatial_dims + 1}D or {self._spatial_dims + 2}D input "
+                             f"(got {len(shape)}D input)")
+        if shape[feature_dim] != self.num_features:
             if self.affine:
                 raise ValueError(f"expected input's size at dim={feature_dim} to match num_features "
-                                 f"({self.num_features}), but got: {input.size(feature_dim)}.")
+                                 f"({self.num_features}), but got: {shape[feature_dim]}.")
             warnings.warn(f"input's size at dim={feature_dim} does not match num_features. You can silence "
                           "this warning by not passing in num_features, which is not used because affine=False")
         # Parameters and buffers straight from their dicts: nn.Module.__getattr__ costs
