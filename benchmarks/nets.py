@@ -373,7 +373,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compile included)")
     parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
-    parser.add_argument("--profile", action="store_true", help="only print the profiler's table of one layer's calls")
+    parser.add_argument("--profile", action="store_true", help="only print the host time of each kernel path called directly and the profiler's table of one layer")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     nets, modes = args.nets.split(","), args.modes.split(",")
