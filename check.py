@@ -1,6 +1,6 @@
 """Correctness of ModelNew against nn.InstanceNorm2d and a float64 reference.
 
-    python check.py [--shape N,C,H,W] [--trials 5] [--path P]
+    python check.py [--shape N,C,H,W] [--trials 5] [--path NAME]
 
 Each trial draws a fresh torch.rand input (seed = trial index), poisons the memory
 ModelNew's output will land in with NaN, and checks: torch.allclose(ModelNew,
@@ -94,19 +94,23 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=parse_shape, default=(112, 64, 512, 512), help="N,C,H,W (default 112,64,512,512)")
     parser.add_argument("--trials", type=int, default=5, help="number of seeds (default 5)")
-    parser.add_argument("--path", type=int, default=0,
-                        help="force a kernel path (kernels/instance_norm.h ForwardPath; default 0 = automatic)")
+    parser.add_argument("--path", default="auto",
+                        help="force a forward kernel path by name: block, cluster, warp, split, cooperative, "
+                             "pipelined (kernels/instance_norm.h ForwardPath; default auto)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("check.py needs a CUDA GPU and none is visible.", file=sys.stderr)
         return 2
     import solution  # builds the extension on first use
 
+    paths = solution._EXT.forward_paths
+    if args.path not in paths:
+        parser.error(f"--path must be one of {', '.join(paths)}, got {args.path!r}")
     print(f"check: shape {args.shape} fp32 on {torch.cuda.get_device_name()}, "
-          f"{'path chosen automatically' if args.path == 0 else f'path {args.path} forced'}")
+          f"{'path chosen automatically' if args.path == 'auto' else f'path {args.path} forced'}")
     failed = 0
     for seed in range(args.trials):
-        failed += bool(check_trial(solution, args.shape, seed, args.path))
+        failed += bool(check_trial(solution, args.shape, seed, paths[args.path]))
     print(f"check: {args.trials - failed}/{args.trials} trials passed")
     return 1 if failed else 0
 

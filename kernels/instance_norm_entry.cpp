@@ -749,4 +749,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Forced paths are 1 .. num_forward_paths - 1 and 1 .. num_backward_paths - 1 (0: automatic).
   m.attr("num_forward_paths") = instance_norm::kNumForwardPaths;
   m.attr("num_backward_paths") = instance_norm::kNumBackwardPaths;
+  // {name: id} of the paths in kernels/instance_norm.h, for tools that take a path by name.
+  py::dict forward_paths, backward_paths;
+  for (const auto& [name, path] : {std::pair<const char*, instance_norm::ForwardPath>{"auto", instance_norm::ForwardPath::kAuto},
+                                   {"block", instance_norm::ForwardPath::kBlock},
+                                   {"cluster", instance_norm::ForwardPath::kCluster},
+                                   {"warp", instance_norm::ForwardPath::kWarp},
+                                   {"split", instance_norm::ForwardPath::kSplit},
+                                   {"cooperative", instance_norm::ForwardPath::kCooperative},
+                                   {"pipelined", instance_norm::ForwardPath::kPipelined}}) {
+    forward_paths[name] = static_cast<int>(path);
+  }
+  for (const auto& [name, path] : {std::pair<const char*, instance_norm::BackwardPath>{"auto", instance_norm::BackwardPath::kAuto},
+                                   {"generic", instance_norm::BackwardPath::kGeneric},
+                                   {"cluster", instance_norm::BackwardPath::kCluster},
+                                   {"cooperative", instance_norm::BackwardPath::kCooperative}}) {
+    backward_paths[name] = static_cast<int>(path);
+  }
+  m.attr("forward_paths") = forward_paths;
+  m.attr("backward_paths") = backward_paths;
 }

@@ -73,3 +73,13 @@ def test_errors_are_raised_while_tracing(solution):
     x, weight = fake_cuda(((2, 3, 8, 8), torch.contiguous_format), ((4,), torch.contiguous_format))
     with pytest.raises(ValueError, match="weight must have C = 3 elements, got 4"):
         traced_ops(lambda x, weight: solution.instance_norm(x, weight=weight), x, weight)
+
+
+def test_path_names_match_the_ids_tests_use(solution):
+    from reference import BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_GENERIC, BLOCK, CLUSTER, COOPERATIVE, \
+        PIPELINED, SPLIT, WARP
+    assert solution._EXT.forward_paths == {"auto": 0, "block": BLOCK, "cluster": CLUSTER, "warp": WARP, "split": SPLIT,
+                                           "cooperative": COOPERATIVE, "pipelined": PIPELINED}
+    assert solution._EXT.backward_paths == {"auto": 0, "generic": BACKWARD_GENERIC, "cluster": BACKWARD_CLUSTER,
+                                            "cooperative": BACKWARD_COOPERATIVE}
+    assert len(solution._EXT.forward_paths) == solution._EXT.num_forward_paths
