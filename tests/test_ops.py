@@ -83,3 +83,18 @@ def test_path_names_match_the_ids_tests_use(solution):
     assert solution._EXT.backward_paths == {"auto": 0, "generic": BACKWARD_GENERIC, "cluster": BACKWARD_CLUSTER,
                                             "cooperative": BACKWARD_COOPERATIVE}
     assert len(solution._EXT.forward_paths) == solution._EXT.num_forward_paths
+
+
+def test_front_traces_with_symbolic_shapes(solution):
+    """Dynamic shapes (torch.compile after a shape change): the front's checks and
+    the fakes take symbolic sizes."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    sizes = mode.from_tensor(torch.empty(2, 3, 8, 8, device="meta"),
+                             symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)).shape
+    with mode:
+        x = torch.empty(sizes, device="cuda")
+        weight, mean, var = (torch.empty(sizes[1], device="cuda") for _ in range(3))
+    assert not isinstance(x.shape[0], int)
+    ops = traced_ops(lambda x, weight, mean, var: solution.instance_norm(x, mean, var, weight), x, weight, mean, var)
+    assert "instance_norm_cuda.forward.default" in ops and "instance_norm_cuda.update_running_stats.default" in ops
