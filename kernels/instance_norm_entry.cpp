@@ -485,6 +485,26 @@ void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::F
   C10_CUDA_CHECK(instance_norm::forward(problem, path, current_stream(x.device())));
 }
 
+// What every forward launch of `x` needs: its output (allocated before any other
+// buffer of the call, so that tests which poison the block a same-sized output will
+// take see it land there), weight and bias as float32 (kept alive here), and the
+// problem pointing at them. x is checked first, before anything is allocated;
+// members are initialized in this order.
+struct ForwardCall {
+  instance_norm::Layout layout;
+  at::Tensor output;
+  std::optional<at::Tensor> weight_f32, bias_f32;
+  instance_norm::ForwardProblem problem;
+
+  ForwardCall(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+              double eps)
+      : layout(check_kernel_input(x)),
+        output(at::empty_like(x)),
+        weight_f32(channel_float32(weight, "weight", x)),
+        bias_f32(channel_float32(bias, "bias", x)),
+        problem(make_problem(x, layout, weight_f32, bias_f32, eps)) {}
+};
+
 // input: (N, C, *spatial) CUDA float32/float16/bfloat16, contiguous or channels-last.
 // weight, bias: None or C values (any float dtype) on the input's device.
 // Returns (y, mean, rstd): y of the input's shape, dtype and layout, every (n, c)
@@ -494,25 +514,19 @@ void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::F
 Stats forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                    const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
                    bool save_stats) {
-  const instance_norm::Layout layout = check_kernel_input(x);
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  // Allocated before any other buffer of the call, so that tests which poison the
-  // block a same-sized output will take see it land there.
-  at::Tensor output = at::empty_like(x);
-  const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", x);
-  const std::optional<at::Tensor> bias_f32 = channel_float32(bias, "bias", x);
-  instance_norm::ForwardProblem problem = make_problem(x, layout, weight_f32, bias_f32, eps);
+  const c10::cuda::CUDAGuard device_guard(x.device());  // CUDA tensors only reach here
+  ForwardCall call(x, weight, bias, eps);
   // mean and rstd are separate tensors, as the fake kernel says: the op's outputs
   // share no storage.
   at::Tensor mean, rstd;
   if (save_stats) {
-    mean = float_buffer(problem.num_slices(), x);
-    rstd = float_buffer(problem.num_slices(), x);
-    problem.mean = mean.data_ptr<float>();
-    problem.rstd = rstd.data_ptr<float>();
+    mean = float_buffer(call.problem.num_slices(), x);
+    rstd = float_buffer(call.problem.num_slices(), x);
+    call.problem.mean = mean.data_ptr<float>();
+    call.problem.rstd = rstd.data_ptr<float>();
   }
-  run_forward(x, output, problem, path);
-  return {output, mean, rstd};
+  run_forward(x, call.output, call.problem, path);
+  return {call.output, mean, rstd};
 }
 
 Stats forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
@@ -525,18 +539,14 @@ Stats forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& wei
 at::Tensor forward_eval_cuda(const at::Tensor& input, const at::Tensor& running_mean, const at::Tensor& running_var,
                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                              double eps) {
-  const instance_norm::Layout layout = check_kernel_input(input);
-  const c10::cuda::CUDAGuard device_guard(input.device());
-  at::Tensor output = at::empty_like(input);
+  const c10::cuda::CUDAGuard device_guard(input.device());  // CUDA tensors only reach here
+  ForwardCall call(input, weight, bias, eps);
   const std::optional<at::Tensor> mean_f32 = channel_float32(running_mean, "running_mean", input);
   const std::optional<at::Tensor> var_f32 = channel_float32(running_var, "running_var", input);
-  const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
-  const std::optional<at::Tensor> bias_f32 = channel_float32(bias, "bias", input);
-  instance_norm::ForwardProblem problem = make_problem(input, layout, weight_f32, bias_f32, eps);
-  problem.running_mean = mean_f32->data_ptr<float>();
-  problem.running_var = var_f32->data_ptr<float>();
-  run_forward(input, output, problem, instance_norm::ForwardPath::kAuto);
-  return output;
+  call.problem.running_mean = mean_f32->data_ptr<float>();
+  call.problem.running_var = var_f32->data_ptr<float>();
+  run_forward(input, call.output, call.problem, instance_norm::ForwardPath::kAuto);
+  return call.output;
 }
 
 // PyTorch's running-statistics update (kernels/instance_norm.h, update_running_stats)
