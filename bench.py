@@ -127,12 +127,12 @@ def backward_rows(solution, x, args):
     check(torch.autograd.grad(ours(xg), xg, dy)[0], "our gradient")
     rows = [("copy_ (limit)", lambda: copy_out.copy_(x))]
     if args.paths:
-        _, mean, rstd = solution._EXT.forward_with_stats(x)
+        _, stats = solution._EXT.forward_with_stats(x)
         for path in range(1, solution._EXT.num_backward_paths):
             if solution._EXT.backward_path_supported(x, path):
-                check(solution._EXT.backward(dy, x, mean, rstd, None, path)[0], f"backward path {path}")
+                check(solution._EXT.backward(dy, x, stats, None, path)[0], f"backward path {path}")
                 rows.append((f"backward path {path}",
-                             lambda path=path: solution._EXT.backward(dy, x, mean, rstd, None, path)))
+                             lambda path=path: solution._EXT.backward(dy, x, stats, None, path)))
     del expected
     for name, module in candidates:
         y = module(xg)

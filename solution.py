@@ -230,18 +230,16 @@ def _register_fake(name):
 
 @_register_fake("forward")
 def _forward_fake(input, weight, bias, eps):
-    """(y like input, mean and rstd float32 (N * C)); input already contiguous or channels-last."""
+    """(y like input, stats float32 (2, N * C): mean, rstd); input already contiguous or channels-last."""
     slices = input.shape[0] * input.shape[1]
-    return (torch.empty_like(input), input.new_empty(slices, dtype=torch.float32),
-            input.new_empty(slices, dtype=torch.float32))
+    return torch.empty_like(input), input.new_empty((2, slices), dtype=torch.float32)
 
 
 @_register_fake("backward")
-def _backward_fake(grad_output, input, mean, rstd, weight, channel_sums):
-    """(grad_input like input, grad_weight and grad_bias float32 (C), or (0) without channel_sums)."""
+def _backward_fake(grad_output, input, stats, weight, channel_sums):
+    """(grad_input like input, grad_parameters float32 (2, C): grad_weight, grad_bias; (2, 0) without channel_sums)."""
     channels = input.shape[1] if channel_sums else 0
-    return (torch.empty_like(input), input.new_empty(channels, dtype=torch.float32),
-            input.new_empty(channels, dtype=torch.float32))
+    return torch.empty_like(input), input.new_empty((2, channels), dtype=torch.float32)
 
 
 @_register_fake("forward_eval")
@@ -250,7 +248,7 @@ def _forward_eval_fake(input, running_mean, running_var, weight, bias, eps):
 
 
 @_register_fake("update_running_stats")
-def _update_running_stats_fake(running_mean, running_var, input, mean, rstd, momentum, eps):
+def _update_running_stats_fake(running_mean, running_var, input, stats, momentum, eps):
     return None
 
 

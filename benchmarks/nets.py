@@ -37,9 +37,9 @@ amplify rounding, so fp32 gradients are themselves far from float64's
 (docs/perf-notes.md, "Real networks").
 
 The host section times one layer per call on the host (a loop of calls, timed before
-the final synchronize), ours against PyTorch's: forward alone (no_grad, --host-calls
-calls), and forward + backward per layer of a chain of CHAIN layers under one
-torch.autograd.grad.
+the final synchronize), ours against PyTorch's: forward alone (--host-calls calls in
+one no_grad), and forward + backward per layer of a chain of CHAIN layers under one
+torch.autograd.grad. --profile splits one layer's host time into its pieces.
 Needs a CUDA GPU; exits with status 2 without one.
 """
 import argparse
@@ -309,12 +309,10 @@ def host_rows(calls):
         for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d)):
             chain = nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
             inputs = (x, *chain.parameters())
-
-            def forward():
-                with torch.no_grad():
-                    chain[0](x)
-
-            forward_host, forward_wall = host_us(forward, calls)
+            # One no_grad around the loop, as an inference loop has it: entering
+            # torch.no_grad() costs microseconds of its own per call.
+            with torch.no_grad():
+                forward_host, forward_wall = host_us(lambda: chain[0](x), calls)
             both_host, both_wall = host_us(lambda: torch.autograd.grad(chain(x), inputs, dy), max(calls // CHAIN, 10))
             rows.append({"shape": list(shape), "affine": affine, "norm": name, "forward_host_us": forward_host,
                          "forward_wall_us": forward_wall, "forward_backward_host_us": both_host / CHAIN,
@@ -323,45 +321,75 @@ def host_rows(calls):
 
 
 def profile_layer(calls):
-    """The profiler's CPU table (self time) of `calls` forward + backward calls of the
-    first host layer, ours and PyTorch's: where the host time goes."""
+    """The profiler's CPU table (self time) of `calls` forward + backward calls of a
+    chain of CHAIN layers (the first host layer), ours and PyTorch's: where the host
+    time goes."""
     import solution
     shape, affine = HOST_LAYERS[0]
     x = torch.randn(shape, device="cuda", requires_grad=True)
     dy = torch.randn(shape, device="cuda")
-    for name, module in (("ours", solution.InstanceNorm2d(shape[1], affine=affine).cuda()),
-                         ("pytorch", nn.InstanceNorm2d(shape[1], affine=affine).cuda())):
-        host_us(lambda: torch.autograd.grad(module(x), x, dy), 10)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as profile:
+    for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d)):
+        chain = nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
+        host_us(lambda: torch.autograd.grad(chain(x), x, dy), 10)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             for _ in range(calls):
-                torch.autograd.grad(module(x), x, dy)
+                torch.autograd.grad(chain(x), x, dy)
             torch.cuda.synchronize()
-        print(f"\n{name}: {shape}, affine={affine}, {calls} forward + backward calls")
-        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        print(f"\n{name}: {shape}, affine={affine}, {calls} forward + backward calls of a chain of {CHAIN}")
+        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-def path_host_rows(calls):
-    """Host us per call of every forward and backward kernel path that can run the
-    first host layer, called directly (no autograd, no front)."""
+def host_breakdown(calls):
+    """Host us per call of the pieces of one layer (the first host layer, fp32):
+    what the module, the front, autograd and the kernel launch each add, against
+    one ATen op, and forward + backward per layer of chains of CHAIN under one
+    torch.autograd.grad, ours by each entry point against PyTorch's and against a
+    chain of one-launch ATen ops (the engine's own cost per node)."""
     import solution
-    ext = solution._EXT
+    ext, op = solution._EXT, torch.ops.instance_norm_cuda
     shape, _ = HOST_LAYERS[0]
-    x, dy = torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda")
-    _, mean, rstd = ext.forward_with_stats(x)
-    rows = [("torch.neg (one ATen launch)", host_us(lambda: torch.neg(x), calls)),
-            ("torch.autograd.grad of x * 2", host_us(lambda: torch.autograd.grad(x.requires_grad_() * 2, x, dy), calls))]
-    x.requires_grad_(False)
-    for path in range(1, ext.num_forward_paths):
-        if ext.path_supported(x, path):
-            rows.append((f"forward path {path}", host_us(lambda: ext.forward(x, path=path), calls)))
-    for path in range(1, ext.num_backward_paths):
-        if ext.backward_path_supported(x, path):
-            rows.append((f"backward path {path}",
-                         host_us(lambda: ext.backward(dy, x, mean, rstd, None, path, False), calls)))
-    print(f"\nhost us per direct call (wall), {shape}, chosen forward path {ext.chosen_path(x)}")
+    torch.manual_seed(3)
+    x = torch.randn(shape, device="cuda")
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(shape, device="cuda")
+    ours, theirs, identity = (solution.InstanceNorm2d(shape[1]).cuda(), nn.InstanceNorm2d(shape[1]).cuda(),
+                              nn.Identity())
+    _, stats = ext.forward_with_stats(x)
+    front = (None, None, None, None, True, 0.1, 1e-5)
+    rows = []
+    with torch.no_grad():
+        rows += [("torch.empty_like", host_us(lambda: torch.empty_like(x), calls)),
+                 ("torch.neg (one ATen launch)", host_us(lambda: torch.neg(x), calls)),
+                 ("nn.Identity module", host_us(lambda: identity(x), calls)),
+                 ("pytorch module", host_us(lambda: theirs(x), calls)),
+                 ("ours: module", host_us(lambda: ours(x), calls)),
+                 ("ours: front (pybind11)", host_us(lambda: ext.instance_norm(x, *front), calls)),
+                 ("ours: op forward (dispatcher)", host_us(lambda: op.forward(x, None, None, 1e-5), calls)),
+                 ("ours: forward, automatic path", host_us(lambda: ext.forward(x), calls)),
+                 ("ours: forward with stats", host_us(lambda: ext.forward_with_stats(x), calls)),
+                 ("ours: backward, automatic path", host_us(lambda: ext.backward(dy, x, stats, None, 0, False),
+                                                            calls))]
+        for path in range(1, ext.num_forward_paths):
+            if ext.path_supported(x, path):
+                rows.append((f"ours: forward path {path}", host_us(lambda: ext.forward(x, path=path), calls)))
+    rows += [("grad mode: ours module", host_us(lambda: ours(xg), calls)),
+             ("grad mode: ours front", host_us(lambda: ext.instance_norm(xg, *front), calls)),
+             ("grad mode: ours op forward", host_us(lambda: op.forward(xg, None, None, 1e-5), calls)),
+             ("grad mode: pytorch module", host_us(lambda: theirs(xg), calls))]
+    chains = (("torch.neg", lambda t: torch.neg(t)), ("pytorch module", theirs), ("ours: module", ours),
+              ("ours: front", lambda t: ext.instance_norm(t, *front)),
+              ("ours: op forward", lambda t: op.forward(t, None, None, 1e-5)[0]))
+    for name, layer in chains:
+        def step(layer=layer):
+            t = xg
+            for _ in range(CHAIN):
+                t = layer(t)
+            torch.autograd.grad(t, xg, dy)
+        host, wall = host_us(step, max(calls // CHAIN, 10))
+        rows.append((f"chain per layer: {name}", (host / CHAIN, wall / CHAIN)))
+    print(f"\nhost us per call (wall), {shape} fp32, no affine; chosen forward path {ext.chosen_path(x)}")
     for name, (host, wall) in rows:
-        print(f"  {name:<30} {host:7.1f} ({wall:7.1f})")
+        print(f"  {name:<36} {host:7.1f} ({wall:7.1f})")
 
 
 def main():
@@ -373,7 +401,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compile included)")
     parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
-    parser.add_argument("--profile", action="store_true", help="only print the host time of each kernel path called directly and the profiler's table of one layer")
+    parser.add_argument("--profile", action="store_true", help="only print the host time of the pieces of one layer and the profiler's table of a chain of layers")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     nets, modes = args.nets.split(","), args.modes.split(",")
@@ -386,8 +414,8 @@ def main():
     import solution  # builds the extension on first use
 
     if args.profile:
-        path_host_rows(args.host_calls)
-        profile_layer(20)
+        host_breakdown(args.host_calls)
+        profile_layer(5)
         return 0
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")

@@ -30,7 +30,10 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using Stats = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+// (y, stats) of the forward op; (grad_input, grad_parameters) of the backward op.
+using TensorPair = std::tuple<at::Tensor, at::Tensor>;
+// (grad_input, grad_weight, grad_bias) of the test interface's backward.
+using TensorTriple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 // ---------------------------------------------------------------------------
 // Messages and layouts
@@ -137,23 +140,23 @@ void check_arguments(const at::Tensor& input, const std::optional<at::Tensor>& r
 }
 
 // Typed handles of the ops, looked up once.
-const c10::TypedOperatorHandle<Stats(const at::Tensor&, const std::optional<at::Tensor>&,
-                                     const std::optional<at::Tensor>&, double)>&
+const c10::TypedOperatorHandle<TensorPair(const at::Tensor&, const std::optional<at::Tensor>&,
+                                          const std::optional<at::Tensor>&, double)>&
 forward_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("instance_norm_cuda::forward", "")
-                             .typed<Stats(const at::Tensor&, const std::optional<at::Tensor>&,
-                                          const std::optional<at::Tensor>&, double)>();
+                             .typed<TensorPair(const at::Tensor&, const std::optional<at::Tensor>&,
+                                               const std::optional<at::Tensor>&, double)>();
   return op;
 }
 
-const c10::TypedOperatorHandle<Stats(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const std::optional<at::Tensor>&, bool)>&
+const c10::TypedOperatorHandle<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, bool)>&
 backward_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("instance_norm_cuda::backward", "")
-                             .typed<Stats(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const std::optional<at::Tensor>&, bool)>();
+                             .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&, bool)>();
   return op;
 }
 
@@ -170,16 +173,16 @@ forward_eval_op() {
 }
 
 const c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&, double, double)>&
+                                    double, double)>&
 update_running_stats_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("instance_norm_cuda::update_running_stats", "")
                              .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, double, double)>();
+                                         double, double)>();
   return op;
 }
 
-Stats forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                    const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
                    bool save_stats);
 
@@ -212,8 +215,8 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
       !(at::GradMode::is_enabled() && (x.requires_grad() || any_requires_grad({&weight, &bias})))) {
     return std::get<0>(forward_impl(x, weight, bias, eps, instance_norm::ForwardPath::kAuto, false));
   }
-  const auto [y, mean, rstd] = forward_op().call(x, weight, bias, eps);
-  if (running_mean.has_value()) update_running_stats_op().call(*running_mean, *running_var, x, mean, rstd, momentum, eps);
+  const auto [y, stats] = forward_op().call(x, weight, bias, eps);
+  if (running_mean.has_value()) update_running_stats_op().call(*running_mean, *running_var, x, stats, momentum, eps);
   return y;
 }
 
@@ -255,7 +258,7 @@ struct ParameterEdges {
   static bool needs(AutogradContext* ctx, int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); }
 };
 
-// Autograd of forward: only y is differentiable (mean and rstd are saved statistics).
+// Autograd of forward: only y is differentiable (stats are saved statistics).
 // The backward is not itself differentiable: a double backward raises
 // (BackwardFunction).
 class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
@@ -265,14 +268,14 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, double eps) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, mean, rstd] = forward_op().call(input, weight, bias, eps);
-    ctx->save_for_backward({input, weight.value_or(at::Tensor()), mean, rstd});
+    auto [y, stats] = forward_op().call(input, weight, bias, eps);
+    ctx->save_for_backward({input, weight.value_or(at::Tensor()), stats});
     ctx->saved_data["bias_dtype"] = bias ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1};
     ParameterEdges(1, weight, bias).save(ctx);
-    ctx->mark_non_differentiable({mean, rstd});
-    // grad_mean and grad_rstd are never used: no (N * C) zeros are filled for them.
+    ctx->mark_non_differentiable({stats});
+    // grad_stats is never used: no (2, N * C) zeros are filled for it.
     ctx->set_materialize_grads(false);
-    return {y, mean, rstd};
+    return {y, stats};
   }
 
   // One gradient per forward argument: (input, weight, bias, eps).
@@ -286,24 +289,24 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
     const bool bias_grad = ParameterEdges::needs(ctx, edges.bias);
     // Without a parameter that needs them (none given, or frozen), the kernel skips
     // the per-channel reductions.
-    auto [grad_input, grad_weight, grad_bias] =
-        backward_op().call(like_layout(grads[0], input), input, saved[2], saved[3],
+    auto [grad_input, grad_parameters] =
+        backward_op().call(like_layout(grads[0], input), input, saved[2],
                            weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, weight_grad || bias_grad);
     const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
     return {ctx->needs_input_grad(0) ? grad_input : at::Tensor(),
-            weight_grad ? grad_weight.to(weight.scalar_type()) : at::Tensor(),
-            bias_grad ? grad_bias.to(static_cast<at::ScalarType>(bias_dtype)) : at::Tensor(), at::Tensor()};
+            weight_grad ? grad_parameters[0].to(weight.scalar_type()) : at::Tensor(),
+            bias_grad ? grad_parameters[1].to(static_cast<at::ScalarType>(bias_dtype)) : at::Tensor(), at::Tensor()};
   }
 };
 
-Stats forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                       const std::optional<at::Tensor>& bias, double eps) {
+TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps) {
   if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias}))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward_op().call(input, weight, bias, eps);
   }
   const variable_list out = ForwardFunction::apply(input, weight, bias, eps);
-  return {out[0], out[1], out[2]};
+  return {out[0], out[1]};
 }
 
 // Autograd of the backward op: a plain backward (grad mode off, as the engine runs
@@ -312,11 +315,10 @@ Stats forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>&
 class BackwardFunction : public torch::autograd::Function<BackwardFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_output, const at::Tensor& input,
-                               const at::Tensor& mean, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-                               bool channel_sums) {
+                               const at::Tensor& stats, const std::optional<at::Tensor>& weight, bool channel_sums) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [grad_input, grad_weight, grad_bias] = backward_op().call(grad_output, input, mean, rstd, weight, channel_sums);
-    return {grad_input, grad_weight, grad_bias};
+    auto [grad_input, grad_parameters] = backward_op().call(grad_output, input, stats, weight, channel_sums);
+    return {grad_input, grad_parameters};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -325,15 +327,15 @@ class BackwardFunction : public torch::autograd::Function<BackwardFunction> {
   }
 };
 
-Stats backward_autograd(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
-                        const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool channel_sums) {
+TensorPair backward_autograd(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                             const std::optional<at::Tensor>& weight, bool channel_sums) {
   if (!at::GradMode::is_enabled() ||
       !(grad_output.requires_grad() || input.requires_grad() || any_requires_grad({&weight}))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return backward_op().call(grad_output, input, mean, rstd, weight, channel_sums);
+    return backward_op().call(grad_output, input, stats, weight, channel_sums);
   }
-  const variable_list out = BackwardFunction::apply(grad_output, input, mean, rstd, weight, channel_sums);
-  return {out[0], out[1], out[2]};
+  const variable_list out = BackwardFunction::apply(grad_output, input, stats, weight, channel_sums);
+  return {out[0], out[1]};
 }
 
 // Autograd of forward_eval. With fixed statistics y is affine in x:
@@ -507,31 +509,40 @@ struct ForwardCall {
 
 // input: (N, C, *spatial) CUDA float32/float16/bfloat16, contiguous or channels-last.
 // weight, bias: None or C values (any float dtype) on the input's device.
-// Returns (y, mean, rstd): y of the input's shape, dtype and layout, every (n, c)
-// slice normalized, (x - mean) * rstd with rstd = 1 / sqrt(var + eps) (biased var),
-// times weight[c] plus bias[c]; mean and rstd the slices' float32 statistics, (N * C).
-// Without save_stats mean and rstd are undefined (None) and nothing is allocated.
-Stats forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                   const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
-                   bool save_stats) {
+// Returns (y, stats): y of the input's shape, dtype and layout, every (n, c) slice
+// normalized, (x - mean) * rstd with rstd = 1 / sqrt(var + eps) (biased var), times
+// weight[c] plus bias[c]; stats the slices' float32 statistics, (2, N * C): row 0
+// mean, row 1 rstd, in one tensor because each allocation costs host time. Without
+// save_stats, stats is undefined (None) and nothing is allocated for it.
+TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
+                        bool save_stats) {
   const c10::cuda::CUDAGuard device_guard(x.device());  // CUDA tensors only reach here
   ForwardCall call(x, weight, bias, eps);
-  // mean and rstd are separate tensors, as the fake kernel says: the op's outputs
-  // share no storage.
-  at::Tensor mean, rstd;
+  at::Tensor stats;
   if (save_stats) {
-    mean = float_buffer(call.problem.num_slices(), x);
-    rstd = float_buffer(call.problem.num_slices(), x);
-    call.problem.mean = mean.data_ptr<float>();
-    call.problem.rstd = rstd.data_ptr<float>();
+    stats = at::empty({2, call.problem.num_slices()}, x.options().dtype(at::kFloat));
+    call.problem.mean = stats.data_ptr<float>();
+    call.problem.rstd = call.problem.mean + call.problem.num_slices();
   }
   run_forward(x, call.output, call.problem, path);
-  return {call.output, mean, rstd};
+  return {call.output, stats};
 }
 
-Stats forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                   const std::optional<at::Tensor>& bias, double eps) {
+TensorPair forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, double eps) {
   return forward_impl(input, weight, bias, eps, instance_norm::ForwardPath::kAuto, true);
+}
+
+// The statistics of `input` (N, C, *spatial) in stats, forward's (2, N * C) float32
+// output (row 0 mean, row 1 rstd): the rows' data, checked.
+std::pair<const float*, const float*> stats_rows(const at::Tensor& stats, const at::Tensor& input) {
+  const int64_t num_slices = input.size(0) * input.size(1);
+  TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.dim() == 2 && stats.size(0) == 2 &&
+                  stats.size(1) == num_slices && stats.is_contiguous() && stats.device() == input.device(),
+              "stats must be forward's float32 (2, N * C) output on the input's device");
+  const float* mean = stats.data_ptr<float>();
+  return {mean, mean + num_slices};
 }
 
 // use_input_stats=False: y = (x - running_mean[c]) / sqrt(running_var[c] + eps)
@@ -550,25 +561,21 @@ at::Tensor forward_eval_cuda(const at::Tensor& input, const at::Tensor& running_
 }
 
 // PyTorch's running-statistics update (kernels/instance_norm.h, update_running_stats)
-// from forward's mean and rstd of `input` (whose sizes give N and the spatial size),
-// in place on running_mean and running_var (C values of any float dtype; through a
-// float32 copy when they are not float32).
+// from forward's stats of `input` (whose sizes give N and the spatial size), in place
+// on running_mean and running_var (C values of any float dtype; through a float32
+// copy when they are not float32).
 void update_running_stats_cuda(const at::Tensor& running_mean, const at::Tensor& running_var, const at::Tensor& input,
-                               const at::Tensor& mean, const at::Tensor& rstd, double momentum, double eps) {
+                               const at::Tensor& stats, double momentum, double eps) {
   check_kernel_input(input);
   const int64_t spatial = spatial_size(input);
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
-                  rstd.is_contiguous() && mean.numel() == input.size(0) * input.size(1) &&
-                  rstd.numel() == mean.numel() && mean.device() == input.device() && rstd.device() == input.device(),
-              "mean and rstd must be forward's float32 (N * C) outputs");
+  const auto [mean, rstd] = stats_rows(stats, input);
   TORCH_CHECK(spatial > 1, "the running variance needs more than 1 spatial element, got ", text(spatial));
   const c10::cuda::CUDAGuard device_guard(input.device());
   at::Tensor mean_f32 = *channel_float32(running_mean, "running_mean", input);
   at::Tensor var_f32 = *channel_float32(running_var, "running_var", input);
   C10_CUDA_CHECK(instance_norm::update_running_stats(
-      mean_f32.data_ptr<float>(), var_f32.data_ptr<float>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-      input.size(0), input.size(1), spatial, static_cast<float>(momentum), static_cast<float>(eps),
-      current_stream(input.device())));
+      mean_f32.data_ptr<float>(), var_f32.data_ptr<float>(), mean, rstd, input.size(0), input.size(1), spatial,
+      static_cast<float>(momentum), static_cast<float>(eps), current_stream(input.device())));
   if (!mean_f32.is_same(running_mean)) running_mean.copy_(mean_f32);
   if (!var_f32.is_same(running_var)) running_var.copy_(var_f32);
 }
@@ -598,31 +605,25 @@ instance_norm::BackwardPath checked_backward_path(int64_t path) {
 }
 
 // Gradient of forward for its input, weight and bias. grad_output and input: same
-// shape, strides (contiguous or channels-last), dtype and device; mean, rstd:
-// forward's float32 (N * C) outputs; weight: None or C values. Returns (grad_input in
-// the input's dtype and layout, grad_weight, grad_bias), the last two float32 (C):
-// sums over n of the per-slice sum(dy * xhat) and sum(dy), in a fixed order
-// (bit-identical run to run). Without channel_sums (no parameter needs them) both
-// are empty tensors and the reduction is skipped.
-Stats backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
-                    const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-                    instance_norm::BackwardPath path, bool channel_sums) {
+// shape, strides (contiguous or channels-last), dtype and device; stats: forward's
+// (2, N * C) output; weight: None or C values. Returns (grad_input in the input's dtype
+// and layout, grad_parameters): grad_parameters float32 (2, C), row 0 grad_weight and
+// row 1 grad_bias, the sums over n of the per-slice sum(dy * xhat) and sum(dy) in a
+// fixed order (bit-identical run to run); without channel_sums (no parameter needs
+// them) it is (2, 0) and the reduction is skipped.
+TensorPair backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                         const std::optional<at::Tensor>& weight, instance_norm::BackwardPath path,
+                         bool channel_sums) {
   const instance_norm::Layout layout = check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const int64_t num_slices = input.size(0) * input.size(1);
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
-                  rstd.is_contiguous() && mean.numel() == num_slices && rstd.numel() == num_slices &&
-                  mean.device() == input.device() && rstd.device() == input.device(),
-              "backward: mean and rstd must be forward's float32 (N * C) outputs on the input's device");
+  const auto [mean, rstd] = stats_rows(stats, input);
   at::Tensor grad_input = at::empty_like(input);
   const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
   instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, weight_f32);
-  problem.mean = mean.data_ptr<float>();
-  problem.rstd = rstd.data_ptr<float>();
+  problem.mean = mean;
+  problem.rstd = rstd;
   TORCH_CHECK(instance_norm::backward_path_supported(path, problem), "backward path ", text(static_cast<int>(path)),
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
-  // One allocation for both per-slice sums (each allocation costs host time).
-  const at::Tensor sums = float_buffer(2 * num_slices, input);
   problem.dx = grad_input.data_ptr();  // before choosing: the path may depend on dx's alignment
   if (path == instance_norm::BackwardPath::kAuto) path = instance_norm::choose_backward_path(problem);
   const size_t workspace_bytes = instance_norm::backward_workspace_bytes(problem, path);
@@ -630,31 +631,37 @@ Stats backward_impl(const at::Tensor& grad_output, const at::Tensor& input, cons
   if (workspace_bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, input.options().dtype(at::kByte));
   }
-  problem.sum_dy = sums.data_ptr<float>();
+  // One allocation (each costs host time): the parameter gradients (2, C) first, at
+  // storage offset 0 as the fake kernel's fresh tensor has it (compiled code may
+  // address the output through its storage), then the two per-slice sums.
+  const int64_t num_slices = input.size(0) * input.size(1);
+  const int64_t channels = channel_sums ? input.size(1) : 0;
+  const at::Tensor buffer = float_buffer(2 * channels + 2 * num_slices, input);
+  problem.sum_dy = buffer.data_ptr<float>() + 2 * channels;
   problem.sum_dy_xhat = problem.sum_dy + num_slices;
   problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
   const cudaStream_t stream = current_stream(input.device());
   C10_CUDA_CHECK(instance_norm::backward(problem, path, stream));
-  if (!channel_sums) return {grad_input, float_buffer(0, input), float_buffer(0, input)};
-  const int64_t channels = input.size(1);
-  at::Tensor grad_weight = float_buffer(channels, input), grad_bias = float_buffer(channels, input);
-  C10_CUDA_CHECK(instance_norm::parameter_gradients(grad_weight.data_ptr<float>(), grad_bias.data_ptr<float>(),
-                                                    problem.sum_dy_xhat, problem.sum_dy, input.size(0), channels,
-                                                    stream));
-  return {grad_input, grad_weight, grad_bias};
+  const at::Tensor grad_parameters = buffer.as_strided({2, channels}, {channels, 1}, 0);
+  if (channel_sums) {
+    float* const grad_weight = buffer.data_ptr<float>();
+    C10_CUDA_CHECK(instance_norm::parameter_gradients(grad_weight, grad_weight + channels, problem.sum_dy_xhat,
+                                                      problem.sum_dy, input.size(0), channels, stream));
+  }
+  return {grad_input, grad_parameters};
 }
 
-Stats backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
-                    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, bool channel_sums) {
-  return backward_impl(grad_output, input, mean, rstd, weight, instance_norm::BackwardPath::kAuto, channel_sums);
+TensorPair backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                         const std::optional<at::Tensor>& weight, bool channel_sums) {
+  return backward_impl(grad_output, input, stats, weight, instance_norm::BackwardPath::kAuto, channel_sums);
 }
 
 // ---------------------------------------------------------------------------
 // 4. Test interface: forced paths and the chooser's answers
 // ---------------------------------------------------------------------------
 
-Stats forward_with_stats(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                         const std::optional<at::Tensor>& bias, double eps, int64_t path, bool save_stats) {
+TensorPair forward_with_stats(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                              const std::optional<at::Tensor>& bias, double eps, int64_t path, bool save_stats) {
   TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
   TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
   return forward_impl(readable(input), weight, bias, eps, checked_path(path), save_stats);
@@ -665,9 +672,11 @@ at::Tensor forward_test(const at::Tensor& input, const std::optional<at::Tensor>
   return std::get<0>(forward_with_stats(input, weight, bias, eps, path, false));
 }
 
-Stats backward_test(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
-                    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, int64_t path, bool channel_sums) {
-  return backward_impl(grad_output, input, mean, rstd, weight, checked_backward_path(path), channel_sums);
+TensorTriple backward_test(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                           const std::optional<at::Tensor>& weight, int64_t path, bool channel_sums) {
+  const auto [grad_input, grad_parameters] =
+      backward_impl(grad_output, input, stats, weight, checked_backward_path(path), channel_sums);
+  return {grad_input, grad_parameters[0], grad_parameters[1]};
 }
 
 // Whether backward(..., path) can run for this input (grad_output laid out alike) on its device.
@@ -706,13 +715,13 @@ bool path_supported(const at::Tensor& input, int64_t path) {
 TORCH_LIBRARY(instance_norm_cuda, m) {
   m.def("instance_norm(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor? weight, "
         "Tensor? bias, bool use_input_stats, float momentum, float eps) -> Tensor");
-  m.def("forward(Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("backward(Tensor grad_output, Tensor input, Tensor mean, Tensor rstd, Tensor? weight, bool channel_sums) "
-        "-> (Tensor, Tensor, Tensor)");
+  m.def("forward(Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)");
+  m.def("backward(Tensor grad_output, Tensor input, Tensor stats, Tensor? weight, bool channel_sums) "
+        "-> (Tensor, Tensor)");
   m.def("forward_eval(Tensor input, Tensor running_mean, Tensor running_var, Tensor? weight, Tensor? bias, "
         "float eps) -> Tensor");
-  m.def("update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor input, Tensor mean, "
-        "Tensor rstd, float momentum, float eps) -> ()");
+  m.def("update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor input, Tensor stats, "
+        "float momentum, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(instance_norm_cuda, CompositeImplicitAutograd, m) {
@@ -745,11 +754,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "eps), positional");
   m.def("forward", &forward_test, "forward (y only) on a forced path (0 = automatic)", py::arg("input"),
         py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5, py::arg("path") = 0);
-  m.def("forward_with_stats", &forward_with_stats, "forward on a forced path, also returning the slices' mean and rstd",
+  m.def("forward_with_stats", &forward_with_stats,
+        "forward on a forced path: (y, stats), stats float32 (2, N * C) of the slices' mean (row 0) and rstd (row 1)",
         py::arg("input"), py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5,
         py::arg("path") = 0, py::arg("save_stats") = true);
   m.def("backward", &backward_test, "backward on a forced path: (grad_input, grad_weight, grad_bias)",
-        py::arg("grad_output"), py::arg("input"), py::arg("mean"), py::arg("rstd"), py::arg("weight") = py::none(),
+        py::arg("grad_output"), py::arg("input"), py::arg("stats"), py::arg("weight") = py::none(),
         py::arg("path") = 0, py::arg("channel_sums") = true);
   m.def("backward_path_supported", &backward_path_supported,
         "Whether backward(..., path) can run this input on its device", py::arg("input"), py::arg("path"));

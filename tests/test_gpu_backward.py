@@ -50,18 +50,18 @@ def test_backward_matches_float64(solution, shape, dtype, layout):
         x, dy = channels_last(x), channels_last(dy)
     weight, bias = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
     expected = float64_gradients(x, dy, weight, bias)
-    _, mean, rstd = solution._EXT.forward_with_stats(x, weight, bias)
+    _, stats = solution._EXT.forward_with_stats(x, weight, bias)
     paths = backward_paths(solution, x)
     assert BACKWARD_GENERIC in paths
     if layout == "channels_last":
         assert paths == [BACKWARD_GENERIC]
     for path in paths:
-        dx, dweight, dbias = run_poisoned(lambda: solution._EXT.backward(dy, x, mean, rstd, weight, path), x)
+        dx, dweight, dbias = run_poisoned(lambda: solution._EXT.backward(dy, x, stats, weight, path), x)
         assert dx.stride() == x.stride() and dx.dtype == x.dtype
         assert torch.isfinite(dx).all(), f"path {path}: unwritten or non-finite elements"
         for actual, reference, what in zip((dx, dweight, dbias), expected, ("dx", "dweight", "dbias")):
             assert_close_scaled(actual, reference, GRAD_TOLERANCE[dtype], f"path {path} {what}")
-        again = solution._EXT.backward(dy, x, mean, rstd, weight, path)
+        again = solution._EXT.backward(dy, x, stats, weight, path)
         assert all(torch.equal(a, b) for a, b in zip((dx, dweight, dbias), again)), f"path {path}: not deterministic"
 
 
@@ -74,9 +74,9 @@ def test_backward_of_values_near_1e30(solution):
         dy = torch.randn(shape, device="cuda")
         weight, bias = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
         expected = float64_gradients(x, dy, weight, bias)
-        _, mean, rstd = solution._EXT.forward_with_stats(x, weight, bias)
+        _, stats = solution._EXT.forward_with_stats(x, weight, bias)
         for path in backward_paths(solution, x):
-            for actual, reference, what in zip(solution._EXT.backward(dy, x, mean, rstd, weight, path), expected,
+            for actual, reference, what in zip(solution._EXT.backward(dy, x, stats, weight, path), expected,
                                                ("dx", "dweight", "dbias")):
                 assert torch.isfinite(actual).all(), f"path {path} {what}"
                 assert_close_scaled(actual, reference, 1e-4, f"path {path} {what}")

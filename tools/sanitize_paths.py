@@ -50,15 +50,15 @@ def main():
         for path in range(1, solution._EXT.num_forward_paths):
             if not solution._EXT.path_supported(x, path):
                 continue
-            y, mean, rstd = solution._EXT.forward_with_stats(x, weight=weight, path=path)
+            y, stats = solution._EXT.forward_with_stats(x, weight=weight, path=path)
             ok = close(y, reference, dtype)
             dy = torch.randn_like(x)
             # Every backward path against the generic one (a different algorithm).
-            dx_generic = solution._EXT.backward(dy, x, mean, rstd, weight, BACKWARD_GENERIC)[0].double()
+            dx_generic = solution._EXT.backward(dy, x, stats, weight, BACKWARD_GENERIC)[0].double()
             scale = dx_generic.abs().max().item()
             for backward_path in range(BACKWARD_GENERIC + 1, solution._EXT.num_backward_paths):
                 if solution._EXT.backward_path_supported(x, backward_path):
-                    dx = solution._EXT.backward(dy, x, mean, rstd, weight, backward_path)[0].double()
+                    dx = solution._EXT.backward(dy, x, stats, weight, backward_path)[0].double()
                     ok = ok and (dx - dx_generic).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2) * scale
             failures += not ok
             print(f"shape {shape} {dtype} {layout} path {path} (+ backward): {'ok' if ok else 'WRONG'}")
