@@ -4,6 +4,7 @@ of it, and a plain device copy of the same tensor (the speed limit), in one proc
     python bench.py [--shape 112,64,512,512] [--dtype float32] [--channels-last] [--paths]
     python bench.py --suite [--dtypes float32,bfloat16]
     python bench.py --backward [--suite]
+    python bench.py [--backward] --activation relu
     common: [--runs 30] [--warmup 3] [--no-compile] [--json PATH]
 
 Input: torch.rand of the shape ((N, C, *spatial), 1d to 3d; default the seed shape
@@ -21,6 +22,9 @@ segmentation, a channels-last layer) in each of --dtypes and prints one table.
 --backward times, instead of the forward, the backward alone (autograd.grad of a
 retained graph) and forward + backward, whose limit is 1.5x the copy (read x and
 dy, write dx) plus, for forward + backward, the forward's copy.
+--activation NAME adds ours with that activation fused (the layer's activation=)
+against the same module's plain rows and PyTorch's norm followed by the activation
+(checked against it first).
 """
 import argparse
 import json
@@ -72,6 +76,23 @@ def make_input(shape, dtype, channels_last):
     return x
 
 
+# The activations of --activation, as PyTorch applies them after its norm.
+ACTIVATION_FUNCTIONS = {"relu": torch.relu, "leaky_relu": torch.nn.functional.leaky_relu,
+                        "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+                        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+
+
+def fused_modules(solution, x, args):
+    """[(name, ours with the activation fused, PyTorch's norm then the activation)]
+    for --activation (empty without it)."""
+    if not args.activation:
+        return []
+    ours, eager = modules(solution, x.shape, x.dtype)
+    ours.activation = args.activation
+    act = ACTIVATION_FUNCTIONS[args.activation]
+    return [(f"ours + {args.activation} fused", ours, lambda t: act(eager(t)), f"eager + {args.activation}")]
+
+
 def modules(solution, shape, dtype):
     """(ours, PyTorch's) InstanceNorm of the input's rank, affine=False as in the harness."""
     name = {3: "InstanceNorm1d", 4: "InstanceNorm2d", 5: "InstanceNorm3d"}[len(shape)]
@@ -101,6 +122,11 @@ def forward_rows(solution, x, args):
             if not good:
                 raise SystemExit(f"bench.py: path {path} differs from PyTorch; no speed reported")
             rows.append((f"path {path}", lambda path=path: solution._EXT.forward(x, path=path)))
+    for name, fused, composed, composed_name in fused_modules(solution, x, args):
+        with torch.no_grad():
+            if not torch.allclose(fused(x), composed(x), atol=tolerance, rtol=tolerance):
+                raise SystemExit(f"bench.py: {name} differs from PyTorch; no speed reported")
+        rows += [(name, lambda fused=fused: fused(x)), (composed_name, lambda composed=composed: composed(x))]
     return rows
 
 
@@ -112,6 +138,19 @@ def backward_rows(solution, x, args):
     dy = torch.rand_like(x) - 0.5
     copy_out = torch.empty_like(x)
     candidates = [("ours", ours), ("eager", eager)]
+    for name, fused, composed, composed_name in fused_modules(solution, x, args):
+        xc = x.detach().requires_grad_()
+        want = torch.autograd.grad(composed(xc), xc, dy)[0]
+        got = torch.autograd.grad(fused(xc), xc, dy)[0]
+        # Compared away from the activation's kink: where the norm's output is within
+        # 1e-3 of 0, our recomputed pre-activation and PyTorch's stored one may round
+        # to opposite sides, and relu's derivative there is 0 or 1.
+        with torch.no_grad():
+            away = eager(x).abs() > 1e-3
+        if (got.float() - want.float())[away].abs().max().item() > tolerance * max(want.abs().max().item(), 1.0):
+            raise SystemExit(f"bench.py: {name} gradient differs from PyTorch's; no speed reported")
+        del want, got, away
+        candidates += [(name, fused), (composed_name, composed)]
     if not args.no_compile:
         torch._dynamo.reset()
         candidates.append(("torch.compile", torch.compile(eager)))
@@ -196,6 +235,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
     parser.add_argument("--paths", action="store_true", help="also time every forced kernel path that can run the shape")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--activation", choices=sorted(ACTIVATION_FUNCTIONS),
+                        help="also time ours with this activation fused, against PyTorch's norm then it")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     args = parser.parse_args(argv)
     if args.runs < 20:

@@ -229,21 +229,24 @@ def _register_fake(name):
 
 
 @_register_fake("forward")
-def _forward_fake(input, weight, bias, eps):
+def _forward_fake(input, weight, bias, eps, activation, negative_slope, residual):
     """(y like input, stats float32 (2, N * C): mean, rstd); input already contiguous or channels-last."""
     slices = input.shape[0] * input.shape[1]
     return torch.empty_like(input), input.new_empty((2, slices), dtype=torch.float32)
 
 
 @_register_fake("backward")
-def _backward_fake(grad_output, input, stats, weight, channel_sums):
-    """(grad_input like input, grad_parameters float32 (2, C): grad_weight, grad_bias; (2, 0) without channel_sums)."""
+def _backward_fake(grad_output, input, stats, weight, bias, activation, negative_slope, residual, channel_sums):
+    """(grad_input like input, grad_parameters float32 (2, C): grad_weight, grad_bias, (2, 0) without
+    channel_sums; grad_residual like input with a residual and an activation, else float32 (0))."""
     channels = input.shape[1] if channel_sums else 0
-    return torch.empty_like(input), input.new_empty((2, channels), dtype=torch.float32)
+    grad_residual = (torch.empty_like(input) if residual is not None and activation != 0
+                     else input.new_empty(0, dtype=torch.float32))
+    return torch.empty_like(input), input.new_empty((2, channels), dtype=torch.float32), grad_residual
 
 
 @_register_fake("forward_eval")
-def _forward_eval_fake(input, running_mean, running_var, weight, bias, eps):
+def _forward_eval_fake(input, running_mean, running_var, weight, bias, eps, activation, negative_slope, residual):
     return torch.empty_like(input)
 
 
@@ -255,9 +258,16 @@ def _update_running_stats_fake(running_mean, running_var, input, stats, momentum
 _instance_norm_op = torch.ops.instance_norm_cuda.instance_norm.default
 
 
+# The activation names instance_norm takes (None: no activation), as in torch.nn.functional;
+# "gelu_tanh" is F.gelu(approximate="tanh").
+ACTIVATIONS = (None, "relu", "leaky_relu", "silu", "gelu", "gelu_tanh")
+
+
 def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
-                  use_input_stats=True, momentum=0.1, eps=1e-5):
-    """PyTorch's F.instance_norm on this project's kernels, with autograd.
+                  use_input_stats=True, momentum=0.1, eps=1e-5, activation=None, negative_slope=0.01,
+                  residual=None):
+    """PyTorch's F.instance_norm on this project's kernels, with autograd, and a
+    fused epilogue: act(instance_norm(...) + residual).
 
     input: (N, C, *spatial), at least one spatial dim, any strides. With
     use_input_stats (the default) each (n, c) slice is normalized by its own mean
@@ -271,6 +281,15 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     dtype, in its layout when that is contiguous or channels-last (other strides
     give a contiguous result); the input is not modified.
 
+    Epilogue, fused into the same kernels (the forward reads x and the residual
+    once and writes y once; the backward recomputes the pre-activation from x and
+    the saved statistics): residual, a tensor of the input's shape, dtype and
+    device, is added after the affine map; then activation, one of ACTIVATIONS,
+    is applied: "relu", "leaky_relu" (with negative_slope), "silu", "gelu" (erf
+    form) or "gelu_tanh" (tanh form), as torch.nn.functional defines them. So
+    instance_norm(x, ..., activation="relu", residual=r) equals
+    F.relu(F.instance_norm(x, ...) + r).
+
     CUDA float32, float16 and bfloat16 run the CUDA kernels; CPU and float64
     inputs run PyTorch's F.instance_norm. Eager calls go to the extension's front
     (kernels/instance_norm_entry.cpp) in one call; under torch.compile the same
@@ -278,8 +297,9 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     forward, backward, forward_eval and update_running_stats. Raises TypeError for a
     non-tensor or non-floating input or parameter, ValueError for fewer than 3 dims,
     a single spatial element with use_input_stats, missing running statistics with
-    use_input_stats=False, or a weight, bias or running buffer of the wrong size or
-    device.
+    use_input_stats=False, a weight, bias or running buffer of the wrong size or
+    device, an unknown activation, or a residual of another shape or device
+    (TypeError for another dtype).
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"instance_norm: input must be a torch.Tensor, got {type(input).__name__}")
@@ -287,15 +307,24 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                         ("bias", bias)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"instance_norm: {name} must be a torch.Tensor or None, got {type(value).__name__}")
-    return _front(input, running_mean, running_var, weight, bias, use_input_stats, float(momentum), float(eps))
+    if residual is not None and not isinstance(residual, torch.Tensor):
+        raise TypeError(f"instance_norm: residual must be a torch.Tensor or None, got {type(residual).__name__}")
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"instance_norm: activation must be None or one of {ACTIVATIONS[1:]}, "
+                        f"got {type(activation).__name__}")
+    return _front(input, running_mean, running_var, weight, bias, use_input_stats, float(momentum), float(eps),
+                  activation, float(negative_slope), residual)
 
 
-def _front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps):
+def _front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation=None,
+           negative_slope=0.01, residual=None):
     """The extension's front (validation, dispatch, running-statistics update): one
     direct call in eager mode; under torch.compile the op, which Dynamo can trace."""
     if torch.compiler.is_compiling():
-        return _instance_norm_op(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
-    return _EXT.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+        return _instance_norm_op(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+                                 activation, negative_slope, residual)
+    return _EXT.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+                              activation, negative_slope, residual)
 
 
 # PyTorch's norms take (and print) a `bias` keyword from torch 2.14 on; the repr
@@ -311,14 +340,20 @@ class _InstanceNorm(nn.Module):
     bias=False) are Parameters of C elements; with track_running_stats=True,
     running_mean (zeros), running_var (ones) and num_batches_tracked are buffers,
     updated in training and used in eval. .to() moves and casts them all.
-    Subclasses set _spatial_dims."""
+    activation (one of ACTIVATIONS) and negative_slope fuse an activation into the
+    layer: forward returns act(norm(x)), as instance_norm's epilogue. Subclasses
+    set _spatial_dims."""
 
     _version = 2
     _spatial_dims = 2
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=False, track_running_stats=False,
-                 device=None, dtype=None, *, bias=True):
+                 device=None, dtype=None, *, bias=True, activation=None, negative_slope=0.01):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.negative_slope = negative_slope
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps
@@ -358,8 +393,11 @@ class _InstanceNorm(nn.Module):
 
     def extra_repr(self):
         bias = f"bias={self.bias is not None}, " if _TORCH_NORMS_TAKE_BIAS else ""
+        activation = "" if self.activation is None else f", activation={self.activation!r}"
+        if self.activation == "leaky_relu":
+            activation += f", negative_slope={self.negative_slope}"
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-                f"{bias}track_running_stats={self.track_running_stats}")
+                f"{bias}track_running_stats={self.track_running_stats}{activation}")
 
     def forward(self, input):
         shape = input.shape  # one call into torch for the rank and C (size() costs more)
@@ -379,7 +417,8 @@ class _InstanceNorm(nn.Module):
         parameters, buffers = self._parameters, self._buffers
         y = _front(input if feature_dim else input.unsqueeze(0), buffers["running_mean"], buffers["running_var"],
                    parameters["weight"], parameters["bias"], self.training or not self.track_running_stats,
-                   0.0 if self.momentum is None else float(self.momentum), float(self.eps))
+                   0.0 if self.momentum is None else float(self.momentum), float(self.eps), self.activation,
+                   float(self.negative_slope))
         return y if feature_dim else y.squeeze(0)
 
 
@@ -404,3 +443,74 @@ class InstanceNorm3d(_InstanceNorm):
 class ModelNew(InstanceNorm2d):
     """Drop-in for PyTorch's nn.InstanceNorm2d (same constructor), the class a
     kernel-eval harness instantiates: ModelNew(num_features)."""
+
+
+# PyTorch's norm classes the converter replaces (exactly these: a subclass may
+# change forward) and ours for each.
+_CONVERTED = {nn.InstanceNorm1d: InstanceNorm1d, nn.InstanceNorm2d: InstanceNorm2d, nn.InstanceNorm3d: InstanceNorm3d}
+
+
+def _fusable_activation(module):
+    """(activation, negative_slope) of an activation module the norms can fuse, else None."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    if type(module) is nn.ReLU:
+        return "relu", 0.01
+    if type(module) is nn.LeakyReLU:
+        return "leaky_relu", float(module.negative_slope)
+    if type(module) is nn.SiLU:
+        return "silu", 0.01
+    if type(module) is nn.GELU:
+        return ("gelu_tanh" if module.approximate == "tanh" else "gelu"), 0.01
+    return None
+
+
+def _converted_norm(norm):
+    """This project's layer in place of PyTorch's `norm`: the same hyperparameters,
+    the same Parameter and buffer objects (an optimizer holding them keeps working),
+    device, dtype and train/eval state."""
+    # Built on the meta device (nothing allocated), then given norm's own tensors.
+    ours = _CONVERTED[type(norm)](norm.num_features, norm.eps, norm.momentum, norm.affine, norm.track_running_stats,
+                                  device="meta")
+    for name in ("weight", "bias"):
+        ours.register_parameter(name, norm._parameters.get(name))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        ours.register_buffer(name, norm._buffers.get(name))
+    ours.train(norm.training)
+    return ours
+
+
+def convert_instance_norm(module, fuse_activations=True):
+    """Replace every nn.InstanceNorm1d/2d/3d in `module` (itself included) with this
+    project's layer, as nn.SyncBatchNorm.convert_sync_batchnorm does for batch norm:
+    the same Parameters and buffers, train/eval state, device and dtype. With
+    fuse_activations, an activation module (nn.ReLU, nn.LeakyReLU, nn.SiLU, nn.GELU)
+    right after a converted norm inside an nn.Sequential is folded into the norm
+    (its activation=) and replaced by nn.Identity. Returns the converted module (a
+    new object only when `module` is itself a norm); what was converted and fused is
+    logged at INFO level by the logger "instance_norm"."""
+    import logging
+
+    converted, fused = [], []
+
+    def convert(name, child):
+        if type(child) in _CONVERTED:
+            converted.append(name or type(child).__name__)
+            return _converted_norm(child)
+        for child_name, grandchild in list(child.named_children()):
+            setattr(child, child_name, convert(f"{name}.{child_name}" if name else child_name, grandchild))
+        if fuse_activations and isinstance(child, nn.Sequential):
+            names = list(child._modules)
+            for first, second in zip(names, names[1:]):
+                norm, activation = child._modules[first], child._modules[second]
+                fusable = _fusable_activation(activation) if isinstance(norm, _InstanceNorm) else None
+                if fusable is not None and norm.activation is None:
+                    norm.activation, norm.negative_slope = fusable
+                    child._modules[second] = nn.Identity()
+                    fused.append(f"{name}.{second}" if name else second)
+        return child
+
+    module = convert("", module)
+    logging.getLogger("instance_norm").info("convert_instance_norm: converted %d norms (%s), fused %d activations (%s)",
+                                            len(converted), ", ".join(converted), len(fused), ", ".join(fused))
+    return module

@@ -18,15 +18,17 @@ Three networks, written from their published designs:
   InstanceNorm3d(affine=True) and LeakyReLU(0.01), stride-2 convs down, transposed
   convs up with skip concatenation (18 norms); input (2, 1, 128, 128, 128).
 
-Each net is built three times from one seed (same conv weights): with PyTorch's
-norms ("pytorch"), with ours ("ours"), and with nn.Identity in their place
-("identity", the floor). One step is zero_grad, forward, an MSE loss, backward and
+Each net is built four times from one seed (same conv weights): with PyTorch's
+norms ("pytorch"), with ours ("ours"), PyTorch's net through
+solution.convert_instance_norm ("fused": our norms with the activation modules that
+follow them in an nn.Sequential folded in; the transformer net calls F.relu, so it
+gets none), and with nn.Identity in their place ("identity", the floor). One step is zero_grad, forward, an MSE loss, backward and
 an SGD step. Modes: fp32 eager; bf16 autocast eager; bf16 autocast with
 torch.compile(mode="reduce-overhead") of the net. Each variant's steps are timed in
 --rounds rounds that alternate the variants, --steps steps a round, each step's wall
 time taken on the host with a synchronize after it (host time included: what a user
-waits for); the table gives medians in ms and the norm cost ratio
-(ours - identity) / (pytorch - identity).
+waits for); the table gives medians in ms and the norm cost ratios
+(ours - identity) / (pytorch - identity), and the same for fused.
 
 Before timing, each net's output and parameter gradients in fp32 (TF32 off, cuDNN
 deterministic), with our norms and with PyTorch's, are compared with the same net
@@ -55,7 +57,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-VARIANTS = ("pytorch", "ours", "identity")
+VARIANTS = ("pytorch", "ours", "fused", "identity")
 MODES = ("fp32", "bf16", "compile")
 
 
@@ -183,8 +185,13 @@ NETS = {
 
 
 def build(net, variant, device="cuda"):
+    """The net with `variant` norms; "fused": PyTorch's net through convert_instance_norm
+    (our norms, activations in an nn.Sequential right after a norm folded into it)."""
     make, dims, _, _ = NETS[net]
     torch.manual_seed(0)
+    if variant == "fused":
+        import solution
+        return solution.convert_instance_norm(make(norm_factory("pytorch", dims))).to(device)
     return make(norm_factory(variant, dims)).to(device)
 
 
@@ -355,7 +362,7 @@ def host_breakdown(calls):
     ours, theirs, identity = (solution.InstanceNorm2d(shape[1]).cuda(), nn.InstanceNorm2d(shape[1]).cuda(),
                               nn.Identity())
     _, stats = ext.forward_with_stats(x)
-    front = (None, None, None, None, True, 0.1, 1e-5)
+    front = (None, None, None, None, True, 0.1, 1e-5, None, 0.01, None)
     rows = []
     with torch.no_grad():
         rows += [("torch.empty_like", host_us(lambda: torch.empty_like(x), calls)),
@@ -364,7 +371,7 @@ def host_breakdown(calls):
                  ("pytorch module", host_us(lambda: theirs(x), calls)),
                  ("ours: module", host_us(lambda: ours(x), calls)),
                  ("ours: front (pybind11)", host_us(lambda: ext.instance_norm(x, *front), calls)),
-                 ("ours: op forward (dispatcher)", host_us(lambda: op.forward(x, None, None, 1e-5), calls)),
+                 ("ours: op forward (dispatcher)", host_us(lambda: op.forward(x, None, None, 1e-5, 0, 0.01, None), calls)),
                  ("ours: forward, automatic path", host_us(lambda: ext.forward(x), calls)),
                  ("ours: forward with stats", host_us(lambda: ext.forward_with_stats(x), calls)),
                  ("ours: backward, automatic path", host_us(lambda: ext.backward(dy, x, stats, None, 0, False),
@@ -374,11 +381,11 @@ def host_breakdown(calls):
                 rows.append((f"ours: forward path {path}", host_us(lambda: ext.forward(x, path=path), calls)))
     rows += [("grad mode: ours module", host_us(lambda: ours(xg), calls)),
              ("grad mode: ours front", host_us(lambda: ext.instance_norm(xg, *front), calls)),
-             ("grad mode: ours op forward", host_us(lambda: op.forward(xg, None, None, 1e-5), calls)),
+             ("grad mode: ours op forward", host_us(lambda: op.forward(xg, None, None, 1e-5, 0, 0.01, None), calls)),
              ("grad mode: pytorch module", host_us(lambda: theirs(xg), calls))]
     chains = (("torch.neg", lambda t: torch.neg(t)), ("pytorch module", theirs), ("ours: module", ours),
               ("ours: front", lambda t: ext.instance_norm(t, *front)),
-              ("ours: op forward", lambda t: op.forward(t, None, None, 1e-5)[0]))
+              ("ours: op forward", lambda t: op.forward(t, None, None, 1e-5, 0, 0.01, None)[0]))
     for name, layer in chains:
         def step(layer=layer):
             t = xg
@@ -430,15 +437,17 @@ def main():
         print(f"check {net}, {count_norms(build(net, 'ours'))} norms, fp32 against the float64 net: " + "; ".join(
             f"{variant} output {out:.2e}, worst gradient {grad:.2e} ({name})"
             for variant, (out, grad, name) in errors.items()) + f" ({'ok' if ok else 'FAILED'})", flush=True)
-    print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'identity':>9}  norm cost ours/pytorch (ms)")
+    print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'fused':>9} {'identity':>9}  "
+          f"norm cost / pytorch's: ours, fused (median step ms)")
     for net in nets:
         for mode in modes:
             medians = time_net(net, mode, args.steps, args.rounds, args.warmup)
             floor = medians["identity"]
             ratio = (medians["ours"] - floor) / (medians["pytorch"] - floor)
-            results["steps"].append({"net": net, "mode": mode, **medians, "ratio": ratio})
-            print(f"{net:<12} {mode:<8} {medians['pytorch']:9.2f} {medians['ours']:9.2f} {floor:9.2f}  {ratio:.2f}",
-                  flush=True)
+            fused_ratio = (medians["fused"] - floor) / (medians["pytorch"] - floor)
+            results["steps"].append({"net": net, "mode": mode, **medians, "ratio": ratio, "fused_ratio": fused_ratio})
+            print(f"{net:<12} {mode:<8} {medians['pytorch']:9.2f} {medians['ours']:9.2f} {medians['fused']:9.2f} "
+                  f"{floor:9.2f}  {ratio:.2f}, {fused_ratio:.2f}", flush=True)
             torch._dynamo.reset()
     if not args.no_host:
         print(f"\nhost us per call (wall) {'':<22} forward          forward+backward per layer of {CHAIN}")

@@ -416,6 +416,97 @@ __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t 
                      p.bias != nullptr ? __ldg(p.bias + channel) : 0.f);
 }
 
+// ---- Fused epilogues (Epilogue in instance_norm.h) ----
+
+// act(v) for a compile-time Activation A, the formulas of Activation (PyTorch's
+// torch.nn.functional), in float32 with the accurate library functions (expf,
+// erff, tanhf).
+template <Activation A>
+__device__ __forceinline__ float activate(float v, float negative_slope) {
+  if constexpr (A == Activation::kRelu) return v > 0.f ? v : 0.f;
+  if constexpr (A == Activation::kLeakyRelu) return v > 0.f ? v : v * negative_slope;
+  if constexpr (A == Activation::kSilu) return v / (1.f + expf(-v));
+  if constexpr (A == Activation::kGelu) return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+  if constexpr (A == Activation::kGeluTanh) {
+    return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+  }
+  return v;
+}
+
+// d act / dv at v, as PyTorch's backward formulas take it (relu and leaky_relu: 1 for
+// v > 0, else 0 or negative_slope; gelu: Phi(v) + v phi(v); gelu tanh: the
+// derivative of its tanh form, as aten's GeluBackward computes it).
+template <Activation A>
+__device__ __forceinline__ float activation_derivative(float v, float negative_slope) {
+  if constexpr (A == Activation::kRelu) return v > 0.f ? 1.f : 0.f;
+  if constexpr (A == Activation::kLeakyRelu) return v > 0.f ? 1.f : negative_slope;
+  if constexpr (A == Activation::kSilu) {
+    const float sigmoid = 1.f / (1.f + expf(-v));
+    return sigmoid * (1.f + v * (1.f - sigmoid));
+  }
+  if constexpr (A == Activation::kGelu) {
+    const float cdf = 0.5f * (1.f + erff(v * 0.70710678118654752f));
+    return cdf + v * 0.39894228040143268f * expf(-0.5f * v * v);
+  }
+  if constexpr (A == Activation::kGeluTanh) {
+    constexpr float kBeta = 0.79788456080286536f, kKappa = 0.044715f;
+    const float tanh_inner = tanhf(kBeta * (v + kKappa * v * v * v));
+    return 0.5f * (1.f + tanh_inner) + 0.5f * v * (1.f - tanh_inner * tanh_inner) * kBeta * (1.f + 3.f * kKappa * v * v);
+  }
+  return 1.f;
+}
+
+// f(std::integral_constant<Activation, a>()) for the run-time activation a != kNone:
+// the loop over a thread's values goes inside f, compiled once per activation, so
+// each loop holds one activation's code (a switch per value made the 16-bit
+// kernels spill).
+template <typename F>
+__device__ __forceinline__ void with_activation(Activation a, F f) {
+  using cuda::std::integral_constant;
+  switch (a) {
+    case Activation::kRelu: f(integral_constant<Activation, Activation::kRelu>()); break;
+    case Activation::kLeakyRelu: f(integral_constant<Activation, Activation::kLeakyRelu>()); break;
+    case Activation::kSilu: f(integral_constant<Activation, Activation::kSilu>()); break;
+    case Activation::kGelu: f(integral_constant<Activation, Activation::kGelu>()); break;
+    case Activation::kGeluTanh: f(integral_constant<Activation, Activation::kGeluTanh>()); break;
+    default: break;
+  }
+}
+
+// The epilogue of N values a thread stores at `out`, an element of y (N = one
+// 16-byte vector, or 1): adds the residual's values at the same element, then the
+// activation. The residual has y's shape and layout, so its element sits at the
+// same offset from its base; a vector store address is 16-byte aligned, and so then
+// is the residual's (both bases are). Without an epilogue nothing is read.
+template <typename T, int N>
+__device__ __forceinline__ void apply_epilogue(const Epilogue& e, const void* y, const T* out, float (&v)[N]) {
+  if (!e.active()) return;
+  if (e.residual != nullptr) {
+    const T* r = static_cast<const T*>(e.residual) + (out - static_cast<const T*>(y));
+    if constexpr (N == Storage<T>::kPerVector && N > 1) {
+      float rv[N];
+      Storage<T>::unpack(__ldg(reinterpret_cast<const uint4*>(r)), rv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] += rv[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] += Storage<T>::to_float(__ldg(r + k));
+    }
+  }
+  with_activation(e.activation, [&](auto a) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = activate<decltype(a)::value>(v[k], e.negative_slope);
+  });
+}
+
+// One value's epilogue (scalar stores).
+template <typename T>
+__device__ __forceinline__ float epilogue_value(const Epilogue& e, const void* y, const T* out, float value) {
+  float v[1] = {value};
+  apply_epilogue<T, 1>(e, y, out, v);
+  return v[0];
+}
+
 // The slice's mean and rstd (in x's units), to the forward's optional outputs;
 // called by one thread per slice.
 __device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_t slice, float mean, float rstd) {

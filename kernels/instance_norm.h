@@ -67,6 +67,26 @@ enum class ForwardPath : int {
 constexpr int kNumForwardPaths = 7;
 constexpr int64_t kWarpMaxSpatial = 1024;
 
+// What follows the affine map in a fused layer: y = act(norm(x) * weight + bias
+// [+ residual]). Activations as PyTorch defines them (torch.nn.functional):
+//   kRelu       max(v, 0)
+//   kLeakyRelu  v > 0 ? v : negative_slope * v
+//   kSilu       v * sigmoid(v)
+//   kGelu       0.5 v (1 + erf(v / sqrt(2)))
+//   kGeluTanh   0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3)))   (approximate="tanh")
+enum class Activation : int { kNone = 0, kRelu = 1, kLeakyRelu = 2, kSilu = 3, kGelu = 4, kGeluTanh = 5 };
+constexpr int kNumActivations = 6;
+
+struct Epilogue {
+  Activation activation;  // kNone by zero-initialization
+  float negative_slope;   // kLeakyRelu only
+  // Added before the activation: the same shape, dtype and layout as x, 16-byte
+  // aligned, device memory; or nullptr.
+  const void* residual;
+
+  __host__ __device__ bool active() const { return activation != Activation::kNone || residual != nullptr; }
+};
+
 // y[n, c, s] = (x[n, c, s] - mean) * rstd * weight[c] + bias[c], rstd = 1 / sqrt(var + eps),
 // where mean and the biased var are those of the slice (n, c) taken in float32
 // (PyTorch's F.instance_norm with use_input_stats=True), or, when running_mean is
@@ -94,6 +114,8 @@ struct ForwardProblem {
   const float* running_var;
   // forward_workspace_bytes(problem, path) bytes of device memory, 16-byte aligned.
   void* workspace;
+  // Applied to every y value on every path (none when zero-initialized).
+  Epilogue epilogue;
 
   __host__ __device__ int64_t num_slices() const { return batch * num_channels; }
 };
@@ -143,6 +165,7 @@ enum class BackwardPath : int {
 constexpr int kNumBackwardPaths = 4;
 
 // Gradient of the forward with the slice's own statistics (use_input_stats=True),
+// after the epilogue's gradient (below),
 // per slice with xhat = (x - mean) * rstd and w = weight[c] (1 without weight):
 //   dx = rstd * w * (dy - sum(dy) / S - xhat * sum(dy * xhat) / S)
 // and the per-slice sums sum(dy) and sum(dy * xhat), from which the caller forms
@@ -162,6 +185,15 @@ struct BackwardProblem {
   const float* weight;  // [num_channels] float32, or nullptr for 1
   float* sum_dy;        // [batch * num_channels] out
   float* sum_dy_xhat;   // [batch * num_channels] out
+  // The forward's epilogue. With an activation, dy is the gradient of act's output
+  // and every path takes dy * act'(pre) in its place, pre = xhat * w + bias[c]
+  // (+ residual) recomputed from x, mean and rstd; with a residual as well (the
+  // generic path only), grad_residual (dy's shape, dtype and layout, 16-byte
+  // aligned) receives that product, the residual's gradient. A residual without an
+  // activation changes nothing here: its gradient is dy itself.
+  Epilogue epilogue;
+  const float* bias;    // [num_channels] float32, or nullptr for 0; read only with an activation
+  void* grad_residual;
   // backward_workspace_bytes(problem, path) bytes of device memory, 16-byte aligned.
   void* workspace;
 

@@ -32,6 +32,24 @@ __device__ __forceinline__ float channel_weight(const BackwardProblem& p, int64_
   return p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
 }
 
+// The epilogue's gradient: dy of act's output to dy of the affine map's output,
+// dy * act'(pre) with pre = (x - mean) * scale + bias (+ residual), scale = rstd *
+// weight. Uniform per slice (one channel).
+struct PreActivation {
+  float mean, scale, bias;
+};
+
+__device__ __forceinline__ PreActivation pre_activation(const BackwardProblem& p, float mean, float rstd,
+                                                        float weight, int64_t channel) {
+  return {mean, rstd * weight, p.bias != nullptr ? __ldg(p.bias + channel) : 0.f};
+}
+
+template <Activation A>
+__device__ __forceinline__ float through_epilogue(const Epilogue& e, const PreActivation& m, float x, float dy,
+                                                  float residual) {
+  return dy * activation_derivative<A>(fmaf(x - m.mean, m.scale, m.bias) + residual, e.negative_slope);
+}
+
 // dx = a * dy + b * (x - mean) + c (see the top of the file). The sums are scaled
 // by inv_spatial = 1 / S, as PyTorch's norm_fct; each kernel divides once, not per
 // slice (a float division has a slow-path subroutine call that costs registers).
@@ -136,6 +154,27 @@ __device__ __forceinline__ void store_values(T* base, Group group, const float (
   }
 }
 
+// dy[k] through the epilogue for one group of values (contiguous: one slice's
+// PreActivation; channels-last: one per value). The residual's values of the group
+// are read where there is one; with grad_residual they are also written there.
+template <typename T, bool VECTOR, int N, typename MapOf>
+__device__ __forceinline__ void group_through_epilogue(const BackwardProblem& p, Group group, const float (&x)[N],
+                                                       const float (&dy)[N], float (&out)[N], MapOf map_of) {
+  float residual[N];
+  if (p.epilogue.residual != nullptr) {
+    load_values<T, VECTOR>(static_cast<const T*>(p.epilogue.residual), group, residual);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) residual[k] = 0.f;
+  }
+  with_activation(p.epilogue.activation, [&](auto a) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      out[k] = through_epilogue<decltype(a)::value>(p.epilogue, map_of(k), x[k], dy[k], residual[k]);
+    }
+  });
+}
+
 // For s = first, first + step, ... < last: loads x and dy of group_at(s) and calls
 // f(group, x, dy). kUnroll groups are loaded before any is used, so each thread
 // keeps 2 * kUnroll loads in flight. group_at(s) must give count <= 0 for s >= last.
@@ -210,11 +249,20 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   for_each_group_item(plan.num_items, plan.lanes_per_chunk, [&](int64_t item, bool in_range, int group_lane) {
     const ContiguousChunk chunk = contiguous_chunk(p, plan, item, in_range);
     const float mean = in_range ? __ldg(p.mean + chunk.slice) : 0.f;
+    const bool epilogue = p.epilogue.activation != Activation::kNone;
+    const int64_t channel = chunk.slice % p.num_channels;
+    const PreActivation map =
+        epilogue && in_range ? pre_activation(p, mean, __ldg(p.rstd + chunk.slice), channel_weight(p, channel), channel)
+                             : PreActivation{0.f, 0.f, 0.f};
     float2 sums = make_float2(0.f, 0.f);
     sweep<T, VECTOR>(x, dy, chunk.begin + group_lane * kPer, chunk.end, step, contiguous_groups<kPer>(chunk.end),
-                     [&](Group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+                     [&](Group group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+                       float g[kPer];
 #pragma unroll
-                       for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+                       for (int k = 0; k < kPer; ++k) g[k] = dyv[k];
+                       if (epilogue) group_through_epilogue<T, VECTOR>(p, group, xv, dyv, g, [&](int) { return map; });
+#pragma unroll
+                       for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], g[k], mean);
                      });
     sums = group_allreduce(sums, plan.lanes_per_chunk, SumFloat2());
     if (in_range && group_lane == 0) partials[item] = sums;
@@ -234,14 +282,23 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
     if (!in_range) return;  // no shuffles below
     const ContiguousChunk chunk = contiguous_chunk(p, plan, item, in_range);
     const int64_t slice = chunk.slice;
+    const int64_t channel = slice % p.num_channels;
+    const float mean = __ldg(p.mean + slice), rstd = __ldg(p.rstd + slice), weight = channel_weight(p, channel);
     const DxCoefficients coefficients =
-        dx_coefficients(__ldg(p.mean + slice), __ldg(p.rstd + slice), channel_weight(p, slice % p.num_channels),
-                        __ldg(p.sum_dy + slice), __ldg(p.sum_dy_xhat + slice), inv_spatial);
+        dx_coefficients(mean, rstd, weight, __ldg(p.sum_dy + slice), __ldg(p.sum_dy_xhat + slice), inv_spatial);
+    const bool epilogue = p.epilogue.activation != Activation::kNone;
+    const PreActivation map = epilogue ? pre_activation(p, mean, rstd, weight, channel) : PreActivation{0.f, 0.f, 0.f};
     sweep<T, VECTOR>(x, dy, chunk.begin + group_lane * kPer, chunk.end, step, contiguous_groups<kPer>(chunk.end),
                      [&](Group group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
-                       float out[kPer];
+                       float g[kPer], out[kPer];
 #pragma unroll
-                       for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
+                       for (int k = 0; k < kPer; ++k) g[k] = dyv[k];
+                       if (epilogue) {
+                         group_through_epilogue<T, VECTOR>(p, group, xv, dyv, g, [&](int) { return map; });
+                         if (p.grad_residual != nullptr) store_values<T, VECTOR>(static_cast<T*>(p.grad_residual), group, g);
+                       }
+#pragma unroll
+                       for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], g[k]);
                        store_values<T, VECTOR>(dx, group, out);
                      });
   });
@@ -303,6 +360,22 @@ __device__ __forceinline__ ChannelsLastItem channels_last_item(const BackwardPro
           kGenericThreads / plan.lanes_per_row};
 }
 
+// The PreActivation of this thread's channel k of a channels-last item, read at
+// each use (L1 hits) rather than held in registers through the sweep: the 16-bit
+// kernels hold 8 channels, and 24 more registers spilled. The lambda holds copies
+// (a reference to the item would put it in local memory).
+__device__ __forceinline__ auto channels_last_map(const BackwardProblem& p, const ChannelsLastItem& it) {
+  const int64_t first_slice = it.n * p.num_channels + it.first_channel, first_channel = it.first_channel;
+  const int last = max(it.count - 1, 0);
+  const float *mean = p.mean, *rstd = p.rstd, *weight = p.weight, *bias = p.bias;
+  return [=](int k) {
+    const int j = min(k, last);
+    return PreActivation{__ldg(mean + first_slice + j),
+                         __ldg(rstd + first_slice + j) * (weight != nullptr ? __ldg(weight + first_channel + j) : 1.f),
+                         bias != nullptr ? __ldg(bias + first_channel + j) : 0.f};
+  };
+}
+
 template <typename T, bool VECTOR, typename F>
 __device__ __forceinline__ void sweep_rows(const BackwardProblem& p, const ChannelsLastItem& it, F f) {
   const int64_t image = it.n * p.spatial;
@@ -323,6 +396,7 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   const int tile_width = plan.lanes_per_row * kPer;
   for (ChannelsLastItems items(plan); items.valid(); items.advance(plan)) {
     const ChannelsLastItem it = channels_last_item<kPer>(p, plan, items);
+    const bool epilogue = p.epilogue.activation != Activation::kNone;
     float mean[kPer];
     float2 sums[kPer];
 #pragma unroll
@@ -330,9 +404,13 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
       mean[k] = k < it.count ? __ldg(p.mean + it.n * p.num_channels + it.first_channel + k) : 0.f;
       sums[k] = make_float2(0.f, 0.f);
     }
-    sweep_rows<T, VECTOR>(p, it, [&](Group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+    sweep_rows<T, VECTOR>(p, it, [&](Group group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
+      float g[kPer];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) accumulate(sums[k], xv[k], dyv[k], mean[k]);
+      for (int k = 0; k < kPer; ++k) g[k] = dyv[k];
+      if (epilogue) group_through_epilogue<T, VECTOR>(p, group, xv, dyv, g, channels_last_map(p, it));
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) accumulate(sums[k], xv[k], g[k], mean[k]);
     });
 #pragma unroll
     for (int k = 0; k < kPer; ++k) thread_sums[threadIdx.x * kPer + k] = sums[k];
@@ -363,6 +441,7 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   const float inv_spatial = 1.f / static_cast<float>(p.spatial);
   for (ChannelsLastItems items(plan); items.valid(); items.advance(plan)) {
     const ChannelsLastItem it = channels_last_item<kPer>(p, plan, items);
+    const bool epilogue = p.epilogue.activation != Activation::kNone;
     DxCoefficients coefficients[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -374,9 +453,15 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
                                      : DxCoefficients{0.f, 0.f, 0.f, 0.f};
     }
     sweep_rows<T, VECTOR>(p, it, [&](Group group, const float(&xv)[kPer], const float(&dyv)[kPer]) {
-      float out[kPer];
+      float g[kPer], out[kPer];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients[k], xv[k], dyv[k]);
+      for (int k = 0; k < kPer; ++k) g[k] = dyv[k];
+      if (epilogue) {
+        group_through_epilogue<T, VECTOR>(p, group, xv, dyv, g, channels_last_map(p, it));
+        if (p.grad_residual != nullptr) store_values<T, VECTOR>(static_cast<T*>(p.grad_residual), group, g);
+      }
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients[k], xv[k], g[k]);
       store_values<T, VECTOR>(dx, group, out);
     });
   }
@@ -462,7 +547,9 @@ constexpr int kDyRingSlots = 3;
 // Needs resident_variant's shared bytes of dynamic shared memory, spatial %
 // Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and a team size the
 // device can run (the launcher checks).
-template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
+// EPILOGUE: compiled with the activation's derivative (the kernels of problems with
+// one); without it the plain kernels keep their own code and registers.
+template <typename T, int THREADS, int VALUES_PER_THREAD, bool EPILOGUE, typename Team>
 __device__ __forceinline__ void backward_resident(const BackwardProblem& p, const Team& team) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = Storage<T>;
@@ -568,6 +655,9 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     const float mean = __ldg(p.mean + slice);
     const float rstd = __ldg(p.rstd + slice);
     const float weight = channel_weight(p, slice % p.num_channels);
+    // With an activation (no residual on this path): dy through its derivative, the
+    // map rebuilt at each use (its bias read from L1) so no registers are held.
+    const bool epilogue = EPILOGUE && p.epilogue.activation != Activation::kNone;
 
     uint4 x_raw[kVecs];
     wait_mbarrier_phase(&x_full, static_cast<unsigned>(round) & 1u);
@@ -591,6 +681,15 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
           float xv[kPer], dyv[kPer];
           S::unpack(x_raw[b + j], xv);
           S::unpack(dy_raw[j], dyv);
+          if (EPILOGUE && epilogue) {
+            const PreActivation map = pre_activation(p, mean, rstd, weight, slice % p.num_channels);
+            with_activation(p.epilogue.activation, [&](auto a) {
+#pragma unroll
+              for (int k = 0; k < kPer; ++k) {
+                dyv[k] = through_epilogue<decltype(a)::value>(p.epilogue, map, xv[k], dyv[k], 0.f);
+              }
+            });
+          }
 #pragma unroll
           for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
         }
@@ -618,6 +717,15 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
         float xv[kPer], dyv[kPer], out[kPer];
         S::unpack(x_raw[b + j], xv);
         S::unpack(dy_raw[j], dyv);
+        if (EPILOGUE && epilogue) {
+          const PreActivation map = pre_activation(p, mean, rstd, weight, slice % p.num_channels);
+          with_activation(p.epilogue.activation, [&](auto a) {
+#pragma unroll
+            for (int k = 0; k < kPer; ++k) {
+              dyv[k] = through_epilogue<decltype(a)::value>(p.epilogue, map, xv[k], dyv[k], 0.f);
+            }
+          });
+        }
 #pragma unroll
         for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
         dx_raw[j] = S::pack(out);
@@ -631,23 +739,23 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
 }
 
 // Built for sm_80 the body is empty; the launcher runs these kernels on sm_90+ only.
-template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, bool EPILOGUE>
 __global__ void __launch_bounds__(THREADS, 1) backward_resident_kernel(const BackwardProblem p) {
   with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
-                  [&](const auto& team) { backward_resident<T, THREADS, VALUES_PER_THREAD>(p, team); });
+                  [&](const auto& team) { backward_resident<T, THREADS, VALUES_PER_THREAD, EPILOGUE>(p, team); });
 }
 
 // Each CTA holds cta_capacity values of x; shared_bytes: the staged next slice's x
 // and the dy ring.
-template <typename T, int THREADS, int VALUES>
+template <typename T, int THREADS, int VALUES, bool EPILOGUE>
 constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
           THREADS * VALUES * static_cast<int>(sizeof(T)) + kDyRingSlots * kDyBatch * THREADS * 16,
           static_cast<int>(sizeof(float2)),
-          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
-          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>,
+          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, EPILOGUE>,
+          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, EPILOGUE>,
           true};
 }
 
@@ -656,11 +764,19 @@ constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
 // memory. float32 512 x 64: a 512 x 512 slice takes a cluster of 8; the 16-bit
 // variants hold 128 values of x in the same registers, so a 512 x 512 slice takes a
 // cluster of 4.
+template <bool EPILOGUE>
 constexpr ResidentVariant<BackwardProblem> kResidentVariants[] = {
-    resident_variant<float, 512, 64>(DType::kFloat32),
-    resident_variant<__half, 512, 128>(DType::kFloat16),
-    resident_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
+    resident_variant<float, 512, 64, EPILOGUE>(DType::kFloat32),
+    resident_variant<__half, 512, 128, EPILOGUE>(DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 128, EPILOGUE>(DType::kBFloat16),
 };
+
+// The resident variant of p's dtype, with the activation's derivative compiled in
+// where p has an activation.
+const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProblem& p) {
+  return p.epilogue.activation != Activation::kNone ? variant_for(kResidentVariants<true>, p.dtype)
+                                                     : variant_for(kResidentVariants<false>, p.dtype);
+}
 
 // The resident kernels loop over slices with a block reduction and a team barrier
 // each (~ microseconds); below about this many values a slice moves too few bytes
@@ -782,9 +898,11 @@ cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
 }
 
 bool resident_supported(TeamKind team, const BackwardProblem& p) {
-  const ResidentVariant<BackwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
-  return !channels_last(p) && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) &&
-         aligned16(p.dx) &&
+  const ResidentVariant<BackwardProblem>& variant = resident_variant_for(p);
+  // A residual's gradient through an activation is written by the generic path only.
+  const bool residual_gradient = p.epilogue.residual != nullptr && p.epilogue.activation != Activation::kNone;
+  return !channels_last(p) && !residual_gradient && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) &&
+         aligned16(p.dy) && aligned16(p.dx) &&
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }
 
@@ -795,7 +913,7 @@ BackwardPath choose_backward_path(const BackwardProblem& problem) {
   if (problem.spatial < kClusterMinSpatial) return BackwardPath::kGeneric;
   // Slices a cluster of <= 8 CTAs holds: the cluster path where the GPU has one.
   // Larger ones: a cooperative team.
-  const TeamKind team = variant_for(kResidentVariants, problem.dtype).team_size(problem.spatial) <= kClusterMaxChosenSize
+  const TeamKind team = resident_variant_for(problem).team_size(problem.spatial) <= kClusterMaxChosenSize
                             ? TeamKind::kCluster
                             : TeamKind::kCooperative;
   if (!resident_supported(team, problem)) return BackwardPath::kGeneric;
@@ -826,7 +944,7 @@ size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath pat
   }
   if (path == BackwardPath::kGeneric) return generic_workspace_bytes(generic_plan(problem));
   if (path == BackwardPath::kCooperative) {
-    return variant_for(kResidentVariants, problem.dtype).cooperative_workspace_bytes(problem);
+    return resident_variant_for(problem).cooperative_workspace_bytes(problem);
   }
   return 0;
 }
@@ -839,7 +957,7 @@ cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStre
   if (problem.dx == nullptr || !backward_path_supported(path, problem)) return cudaErrorInvalidValue;
   if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
   if (path == BackwardPath::kGeneric) return launch_generic(problem, stream);
-  const ResidentVariant<BackwardProblem>& variant = variant_for(kResidentVariants, problem.dtype);
+  const ResidentVariant<BackwardProblem>& variant = resident_variant_for(problem);
   return path == BackwardPath::kCluster ? variant.launch_cluster(problem, stream)
                                         : variant.launch_cooperative(problem, stream);
 }

@@ -139,52 +139,47 @@ void check_arguments(const at::Tensor& input, const std::optional<at::Tensor>& r
   }
 }
 
+// The epilogue's arguments as the inner ops take them: the activation's code
+// (instance_norm::Activation), LeakyReLU's negative slope, the residual.
+struct EpilogueArgs {
+  int64_t activation;
+  double negative_slope;
+  std::optional<at::Tensor> residual;
+};
+
+// The activation names of the front (PyTorch's functional names; "gelu_tanh" is
+// F.gelu(approximate="tanh")), indexed by instance_norm::Activation.
+constexpr const char* kActivationNames[instance_norm::kNumActivations] = {"none",  "relu", "leaky_relu",
+                                                                         "silu", "gelu", "gelu_tanh"};
+
 // Typed handles of the ops, looked up once.
-const c10::TypedOperatorHandle<TensorPair(const at::Tensor&, const std::optional<at::Tensor>&,
-                                          const std::optional<at::Tensor>&, double)>&
-forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("instance_norm_cuda::forward", "")
-                             .typed<TensorPair(const at::Tensor&, const std::optional<at::Tensor>&,
-                                               const std::optional<at::Tensor>&, double)>();
+using ForwardSignature = TensorPair(const at::Tensor&, const std::optional<at::Tensor>&,
+                                    const std::optional<at::Tensor>&, double, int64_t, double,
+                                    const std::optional<at::Tensor>&);
+using BackwardSignature = TensorTriple(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                                       double, const std::optional<at::Tensor>&, bool);
+using ForwardEvalSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double,
+                                        int64_t, double, const std::optional<at::Tensor>&);
+using UpdateSignature = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                             double);
+
+template <typename Signature>
+const c10::TypedOperatorHandle<Signature>& typed_op(const char* name) {
+  // One handle per signature: each op has its own.
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
   return op;
 }
 
-const c10::TypedOperatorHandle<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const std::optional<at::Tensor>&, bool)>&
-backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("instance_norm_cuda::backward", "")
-                             .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const std::optional<at::Tensor>&, bool)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                          double)>&
-forward_eval_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("instance_norm_cuda::forward_eval", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                               double)>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    double, double)>&
-update_running_stats_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("instance_norm_cuda::update_running_stats", "")
-                             .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         double, double)>();
-  return op;
-}
+const auto& forward_op() { return typed_op<ForwardSignature>("instance_norm_cuda::forward"); }
+const auto& backward_op() { return typed_op<BackwardSignature>("instance_norm_cuda::backward"); }
+const auto& forward_eval_op() { return typed_op<ForwardEvalSignature>("instance_norm_cuda::forward_eval"); }
+const auto& update_running_stats_op() { return typed_op<UpdateSignature>("instance_norm_cuda::update_running_stats"); }
 
 TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                   const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
-                   bool save_stats);
+                        const std::optional<at::Tensor>& bias, double eps, const EpilogueArgs& epilogue,
+                        instance_norm::ForwardPath path, bool save_stats);
 
 bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> tensors) {
   for (const std::optional<at::Tensor>* t : tensors)
@@ -192,30 +187,92 @@ bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> t
   return false;
 }
 
+// The activation's code from its front name (None: no activation).
+int64_t activation_code(const std::optional<c10::string_view>& activation) {
+  if (!activation.has_value()) return 0;
+  for (int64_t code = 0; code < instance_norm::kNumActivations; ++code) {
+    if (*activation == kActivationNames[code]) return code;
+  }
+  TORCH_CHECK_VALUE(false, "instance_norm: activation must be None, 'relu', 'leaky_relu', 'silu', 'gelu' or "
+                    "'gelu_tanh', got '", std::string(*activation), "'");
+  return 0;
+}
+
+// The epilogue as PyTorch ops: act(y + residual), for the CPU and float64 fallback.
+at::Tensor apply_epilogue_aten(at::Tensor y, const EpilogueArgs& epilogue) {
+  if (epilogue.residual) y = y + *epilogue.residual;
+  switch (static_cast<instance_norm::Activation>(epilogue.activation)) {
+    case instance_norm::Activation::kRelu: return at::relu(y);
+    case instance_norm::Activation::kLeakyRelu: return at::leaky_relu(y, epilogue.negative_slope);
+    case instance_norm::Activation::kSilu: return at::silu(y);
+    case instance_norm::Activation::kGelu: return at::gelu(y);
+    case instance_norm::Activation::kGeluTanh: return at::gelu(y, "tanh");
+    default: return y;
+  }
+}
+
+// grad * act'(pre) by PyTorch's own backward ops (the eval-mode backward).
+at::Tensor activation_gradient_aten(const at::Tensor& grad, const at::Tensor& pre, const EpilogueArgs& epilogue) {
+  switch (static_cast<instance_norm::Activation>(epilogue.activation)) {
+    case instance_norm::Activation::kRelu: return at::threshold_backward(grad, pre, 0);
+    case instance_norm::Activation::kLeakyRelu:
+      return at::leaky_relu_backward(grad, pre, epilogue.negative_slope, false);
+    case instance_norm::Activation::kSilu: return at::silu_backward(grad, pre);
+    case instance_norm::Activation::kGelu: return at::gelu_backward(grad, pre);
+    case instance_norm::Activation::kGeluTanh: return at::gelu_backward(grad, pre, "tanh");
+    default: return grad;
+  }
+}
+
+// `t` (same shape as `like`) with like's native layout, 16-byte aligned as the
+// kernels read it, copying only if needed.
+at::Tensor kernel_readable_like(const at::Tensor& t, const at::Tensor& like) {
+  at::Tensor out = like_layout(t, like);
+  if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0) out = out.clone(at::MemoryFormat::Preserve);
+  return out;
+}
+
 // PyTorch's F.instance_norm (input, running_mean, running_var, weight, bias,
-// use_input_stats, momentum, eps) on this project's kernels; see solution.instance_norm
-// for the semantics. CUDA float32, float16 and bfloat16 inputs run the kernels (other
-// strides than contiguous and channels-last are copied to contiguous first); others
-// run PyTorch's op. `eager`: called on real tensors from Python, not traced, so a
-// forward that needs neither a gradient nor the statistics launches directly,
-// without allocating mean and rstd.
+// use_input_stats, momentum, eps) on this project's kernels, then the fused
+// epilogue act(y + residual); see solution.instance_norm for the semantics. CUDA
+// float32, float16 and bfloat16 inputs run the kernels (other strides than
+// contiguous and channels-last are copied to contiguous first; the residual to the
+// input's layout); others run PyTorch's ops. `eager`: called on real tensors from
+// Python, not traced, so a forward that needs neither a gradient nor the statistics
+// launches directly, without allocating them.
 at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
                  const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
                  const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum, double eps,
-                 bool eager) {
+                 const std::optional<c10::string_view>& activation, double negative_slope,
+                 const std::optional<at::Tensor>& residual, bool eager) {
   check_arguments(input, running_mean, running_var, weight, bias, use_input_stats);
+  EpilogueArgs epilogue{activation_code(activation), negative_slope, residual};
+  if (residual) {
+    TORCH_CHECK_TYPE(residual->scalar_type() == input.scalar_type(), "instance_norm: residual must have the input's "
+                     "dtype ", input.scalar_type(), ", got ", residual->scalar_type());
+    TORCH_CHECK_VALUE(residual->sym_sizes() == input.sym_sizes(), "instance_norm: residual must have the input's "
+                      "shape ", sizes_text(input), ", got ", sizes_text(*residual));
+    TORCH_CHECK_VALUE(residual->device() == input.device(), "instance_norm: residual must be on the input's device ",
+                      input.device(), ", got ", residual->device());
+  }
   if (!input.is_cuda() || !kernel_dtype(input.scalar_type())) {
-    return at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
-                             /*cudnn_enabled=*/false);
+    return apply_epilogue_aten(at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats,
+                                                 momentum, eps, /*cudnn_enabled=*/false),
+                               epilogue);
   }
   TORCH_CHECK(eps >= 0.0, "instance_norm: eps must be >= 0, got ", text(eps));
   const at::Tensor x = readable(input);
-  if (!use_input_stats) return forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps);
-  if (eager && !running_mean.has_value() &&
-      !(at::GradMode::is_enabled() && (x.requires_grad() || any_requires_grad({&weight, &bias})))) {
-    return std::get<0>(forward_impl(x, weight, bias, eps, instance_norm::ForwardPath::kAuto, false));
+  if (residual) epilogue.residual = kernel_readable_like(*residual, x);
+  const std::optional<at::Tensor>& r = epilogue.residual;
+  if (!use_input_stats) {
+    return forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps, epilogue.activation,
+                                  negative_slope, r);
   }
-  const auto [y, stats] = forward_op().call(x, weight, bias, eps);
+  if (eager && !running_mean.has_value() &&
+      !(at::GradMode::is_enabled() && (x.requires_grad() || any_requires_grad({&weight, &bias, &r})))) {
+    return std::get<0>(forward_impl(x, weight, bias, eps, epilogue, instance_norm::ForwardPath::kAuto, false));
+  }
+  const auto [y, stats] = forward_op().call(x, weight, bias, eps, epilogue.activation, negative_slope, r);
   if (running_mean.has_value()) update_running_stats_op().call(*running_mean, *running_var, x, stats, momentum, eps);
   return y;
 }
@@ -224,17 +281,23 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
 // torch.compile and torch.export trace through it to the ops it calls.
 at::Tensor instance_norm_op(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
                             const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
-                            const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum,
-                            double eps) {
-  return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, false);
+                            const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum, double eps,
+                            std::optional<c10::string_view> activation, double negative_slope,
+                            const std::optional<at::Tensor>& residual) {
+  return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation,
+               negative_slope, residual, false);
 }
 
 // What eager Python calls (pybind11): one call for the whole layer.
 at::Tensor instance_norm_eager(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
                                const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum,
-                               double eps) {
-  return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, true);
+                               double eps, const std::optional<std::string>& activation, double negative_slope,
+                               const std::optional<at::Tensor>& residual) {
+  const std::optional<c10::string_view> name =
+      activation ? std::optional<c10::string_view>(*activation) : std::nullopt;
+  return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, name, negative_slope,
+               residual, true);
 }
 
 // ---------------------------------------------------------------------------
@@ -244,19 +307,29 @@ at::Tensor instance_norm_eager(const at::Tensor& input, const std::optional<at::
 // The autograd edges of a Function's inputs: one per tensor argument given, in order
 // (an absent optional has none); needs_input_grad takes the edge's index.
 struct ParameterEdges {
-  int64_t weight, bias;  // -1 when absent
+  int64_t weight, bias, residual;  // -1 when absent
 
-  ParameterEdges(int64_t first, const std::optional<at::Tensor>& weight_arg, const std::optional<at::Tensor>& bias_arg)
-      : weight(weight_arg ? first : -1), bias(bias_arg ? first + (weight_arg ? 1 : 0) : -1) {}
+  ParameterEdges(int64_t first, const std::optional<at::Tensor>& weight_arg, const std::optional<at::Tensor>& bias_arg,
+                 const std::optional<at::Tensor>& residual_arg)
+      : weight(weight_arg ? first : -1),
+        bias(bias_arg ? first + (weight_arg ? 1 : 0) : -1),
+        residual(residual_arg ? first + (weight_arg ? 1 : 0) + (bias_arg ? 1 : 0) : -1) {}
   ParameterEdges(AutogradContext* ctx)
-      : weight(ctx->saved_data["weight_edge"].toInt()), bias(ctx->saved_data["bias_edge"].toInt()) {}
+      : weight(ctx->saved_data["weight_edge"].toInt()),
+        bias(ctx->saved_data["bias_edge"].toInt()),
+        residual(ctx->saved_data["residual_edge"].toInt()) {}
 
   void save(AutogradContext* ctx) const {
     ctx->saved_data["weight_edge"] = weight;
     ctx->saved_data["bias_edge"] = bias;
+    ctx->saved_data["residual_edge"] = residual;
   }
   static bool needs(AutogradContext* ctx, int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); }
 };
+
+std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
 
 // Autograd of forward: only y is differentiable (stats are saved statistics).
 // The backward is not itself differentiable: a double backward raises
@@ -266,46 +339,62 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
   static constexpr bool is_traceable = true;  // compiled autograd traces the backward
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, double eps) {
+                               const std::optional<at::Tensor>& bias, double eps, int64_t activation,
+                               double negative_slope, const std::optional<at::Tensor>& residual) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, stats] = forward_op().call(input, weight, bias, eps);
-    ctx->save_for_backward({input, weight.value_or(at::Tensor()), stats});
+    auto [y, stats] = forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
+    // bias and the residual only where the backward recomputes the pre-activation.
+    const bool pre_activation = activation != 0;
+    ctx->save_for_backward({input, weight.value_or(at::Tensor()), stats,
+                            pre_activation ? bias.value_or(at::Tensor()) : at::Tensor(),
+                            pre_activation ? residual.value_or(at::Tensor()) : at::Tensor()});
     ctx->saved_data["bias_dtype"] = bias ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1};
-    ParameterEdges(1, weight, bias).save(ctx);
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["negative_slope"] = negative_slope;
+    ParameterEdges(1, weight, bias, residual).save(ctx);
     ctx->mark_non_differentiable({stats});
     // grad_stats is never used: no (2, N * C) zeros are filled for it.
     ctx->set_materialize_grads(false);
     return {y, stats};
   }
 
-  // One gradient per forward argument: (input, weight, bias, eps).
+  // One gradient per forward argument: (input, weight, bias, eps, activation,
+  // negative_slope, residual).
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (!grads[0].defined()) return variable_list(7);
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& weight = saved[1];
+    const at::Tensor &input = saved[0], &weight = saved[1];
     const ParameterEdges edges(ctx);
     const bool weight_grad = ParameterEdges::needs(ctx, edges.weight);
     const bool bias_grad = ParameterEdges::needs(ctx, edges.bias);
+    const bool residual_grad = ParameterEdges::needs(ctx, edges.residual);
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const at::Tensor grad_output = like_layout(grads[0], input);
     // Without a parameter that needs them (none given, or frozen), the kernel skips
     // the per-channel reductions.
-    auto [grad_input, grad_parameters] =
-        backward_op().call(like_layout(grads[0], input), input, saved[2],
-                           weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, weight_grad || bias_grad);
+    auto [grad_input, grad_parameters, grad_residual] =
+        backward_op().call(grad_output, input, saved[2], defined_or_none(weight), defined_or_none(saved[3]),
+                           activation, ctx->saved_data["negative_slope"].toDouble(), defined_or_none(saved[4]),
+                           weight_grad || bias_grad);
     const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
-    return {ctx->needs_input_grad(0) ? grad_input : at::Tensor(),
-            weight_grad ? grad_parameters[0].to(weight.scalar_type()) : at::Tensor(),
-            bias_grad ? grad_parameters[1].to(static_cast<at::ScalarType>(bias_dtype)) : at::Tensor(), at::Tensor()};
+    variable_list out(7);
+    out[0] = ctx->needs_input_grad(0) ? grad_input : at::Tensor();
+    out[1] = weight_grad ? grad_parameters[0].to(weight.scalar_type()) : at::Tensor();
+    out[2] = bias_grad ? grad_parameters[1].to(static_cast<at::ScalarType>(bias_dtype)) : at::Tensor();
+    // Without an activation the residual's gradient is dy itself.
+    if (residual_grad) out[6] = activation != 0 ? grad_residual : grad_output;
+    return out;
   }
 };
 
 TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                            const std::optional<at::Tensor>& bias, double eps) {
-  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias}))) {
+                            const std::optional<at::Tensor>& bias, double eps, int64_t activation,
+                            double negative_slope, const std::optional<at::Tensor>& residual) {
+  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_op().call(input, weight, bias, eps);
+    return forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
   }
-  const variable_list out = ForwardFunction::apply(input, weight, bias, eps);
+  const variable_list out = ForwardFunction::apply(input, weight, bias, eps, activation, negative_slope, residual);
   return {out[0], out[1]};
 }
 
@@ -315,10 +404,13 @@ TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Ten
 class BackwardFunction : public torch::autograd::Function<BackwardFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_output, const at::Tensor& input,
-                               const at::Tensor& stats, const std::optional<at::Tensor>& weight, bool channel_sums) {
+                               const at::Tensor& stats, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, int64_t activation, double negative_slope,
+                               const std::optional<at::Tensor>& residual, bool channel_sums) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [grad_input, grad_parameters] = backward_op().call(grad_output, input, stats, weight, channel_sums);
-    return {grad_input, grad_parameters};
+    auto [grad_input, grad_parameters, grad_residual] = backward_op().call(
+        grad_output, input, stats, weight, bias, activation, negative_slope, residual, channel_sums);
+    return {grad_input, grad_parameters, grad_residual};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -327,70 +419,93 @@ class BackwardFunction : public torch::autograd::Function<BackwardFunction> {
   }
 };
 
-TensorPair backward_autograd(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
-                             const std::optional<at::Tensor>& weight, bool channel_sums) {
-  if (!at::GradMode::is_enabled() ||
-      !(grad_output.requires_grad() || input.requires_grad() || any_requires_grad({&weight}))) {
+TensorTriple backward_autograd(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                               int64_t activation, double negative_slope, const std::optional<at::Tensor>& residual,
+                               bool channel_sums) {
+  if (!at::GradMode::is_enabled() || !(grad_output.requires_grad() || input.requires_grad() ||
+                                       any_requires_grad({&weight, &bias, &residual}))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return backward_op().call(grad_output, input, stats, weight, channel_sums);
+    return backward_op().call(grad_output, input, stats, weight, bias, activation, negative_slope, residual,
+                              channel_sums);
   }
-  const variable_list out = BackwardFunction::apply(grad_output, input, stats, weight, channel_sums);
-  return {out[0], out[1]};
+  const variable_list out = BackwardFunction::apply(grad_output, input, stats, weight, bias, activation,
+                                                    negative_slope, residual, channel_sums);
+  return {out[0], out[1], out[2]};
 }
 
-// Autograd of forward_eval. With fixed statistics y is affine in x:
-// grad_input = grad_output * rstd[c] * weight[c], rstd = 1 / sqrt(running_var[c] + eps);
-// the running buffers get no gradient, as in PyTorch.
+// Autograd of forward_eval. With fixed statistics y = act(pre), pre = xhat * weight[c]
+// + bias[c] (+ residual), xhat = (x - running_mean[c]) * rstd[c], rstd = 1 /
+// sqrt(running_var[c] + eps): g = grad_output * act'(pre) (PyTorch's own activation
+// backward ops), grad_input = g * rstd[c] * weight[c], grad_residual = g; the running
+// buffers get no gradient, as in PyTorch.
 class EvalFunction : public torch::autograd::Function<EvalFunction> {
  public:
   static constexpr bool is_traceable = true;
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& running_mean,
                                const at::Tensor& running_var, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, double eps) {
+                               const std::optional<at::Tensor>& bias, double eps, int64_t activation,
+                               double negative_slope, const std::optional<at::Tensor>& residual) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor y = forward_eval_op().call(input, running_mean, running_var, weight, bias, eps);
-    ctx->save_for_backward({input, running_mean, running_var, weight.value_or(at::Tensor())});
+    at::Tensor y = forward_eval_op().call(input, running_mean, running_var, weight, bias, eps, activation,
+                                          negative_slope, residual);
+    ctx->save_for_backward({input, running_mean, running_var, weight.value_or(at::Tensor()),
+                            bias.value_or(at::Tensor()), residual.value_or(at::Tensor())});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["bias_dtype"] = bias ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1};
-    ParameterEdges(3, weight, bias).save(ctx);
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["negative_slope"] = negative_slope;
+    ParameterEdges(3, weight, bias, residual).save(ctx);
     return {y};
   }
 
-  // One gradient per forward argument: (input, running_mean, running_var, weight, bias, eps).
+  // One gradient per forward argument: (input, running_mean, running_var, weight,
+  // bias, eps, activation, negative_slope, residual).
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &input = saved[0], &running_mean = saved[1], &running_var = saved[2], &weight = saved[3];
+    const at::Tensor &input = saved[0], &running_mean = saved[1], &running_var = saved[2], &weight = saved[3],
+                     &bias = saved[4], &residual = saved[5];
     const ParameterEdges edges(ctx);
+    const EpilogueArgs epilogue{ctx->saved_data["activation"].toInt(), ctx->saved_data["negative_slope"].toDouble(),
+                                std::nullopt};
     std::vector<int64_t> shape(input.dim(), 1), reduce_dims{0};
     shape[1] = -1;
     for (int64_t d = 2; d < input.dim(); ++d) reduce_dims.push_back(d);
     const at::Tensor rstd = at::rsqrt(running_var.to(at::kFloat) + ctx->saved_data["eps"].toDouble()).view(shape);
-    const at::Tensor grad = grads[0].to(at::kFloat);
-    at::Tensor grad_input, grad_weight, grad_bias;
+    const at::Tensor xhat = (input.to(at::kFloat) - running_mean.to(at::kFloat).view(shape)) * rstd;
+    at::Tensor grad = grads[0].to(at::kFloat);
+    if (epilogue.activation != 0) {
+      at::Tensor pre = weight.defined() ? xhat * weight.to(at::kFloat).view(shape) : xhat;
+      if (bias.defined()) pre = pre + bias.to(at::kFloat).view(shape);
+      if (residual.defined()) pre = pre + residual.to(at::kFloat);
+      grad = activation_gradient_aten(grad, pre, epilogue);
+    }
+    variable_list out(9);
     if (ctx->needs_input_grad(0)) {
       const at::Tensor scale = weight.defined() ? rstd * weight.to(at::kFloat).view(shape) : rstd;
-      grad_input = (grad * scale).to(input.scalar_type());
+      out[0] = (grad * scale).to(input.scalar_type());
     }
-    if (ParameterEdges::needs(ctx, edges.weight)) {
-      const at::Tensor xhat = (input.to(at::kFloat) - running_mean.to(at::kFloat).view(shape)) * rstd;
-      grad_weight = (grad * xhat).sum(reduce_dims).to(weight.scalar_type());
-    }
+    if (ParameterEdges::needs(ctx, edges.weight)) out[3] = (grad * xhat).sum(reduce_dims).to(weight.scalar_type());
     if (ParameterEdges::needs(ctx, edges.bias)) {
-      grad_bias = grad.sum(reduce_dims).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+      out[4] = grad.sum(reduce_dims).to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
     }
-    return {grad_input, at::Tensor(), at::Tensor(), grad_weight, grad_bias, at::Tensor()};
+    if (ParameterEdges::needs(ctx, edges.residual)) out[8] = grad.to(input.scalar_type());
+    return out;
   }
 };
 
 at::Tensor forward_eval_autograd(const at::Tensor& input, const at::Tensor& running_mean,
                                  const at::Tensor& running_var, const std::optional<at::Tensor>& weight,
-                                 const std::optional<at::Tensor>& bias, double eps) {
-  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias}))) {
+                                 const std::optional<at::Tensor>& bias, double eps, int64_t activation,
+                                 double negative_slope, const std::optional<at::Tensor>& residual) {
+  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_eval_op().call(input, running_mean, running_var, weight, bias, eps);
+    return forward_eval_op().call(input, running_mean, running_var, weight, bias, eps, activation, negative_slope,
+                                  residual);
   }
-  return EvalFunction::apply(input, running_mean, running_var, weight, bias, eps)[0];
+  return EvalFunction::apply(input, running_mean, running_var, weight, bias, eps, activation, negative_slope,
+                             residual)[0];
 }
 
 // ---------------------------------------------------------------------------
@@ -487,6 +602,25 @@ void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::F
   C10_CUDA_CHECK(instance_norm::forward(problem, path, current_stream(x.device())));
 }
 
+// The kernels' Epilogue from the ops' arguments. The residual must have x's sizes,
+// strides, dtype and device and be 16-byte aligned (the front makes it so); an
+// internal invariant of the ops, checked for direct calls.
+instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tensor& x) {
+  TORCH_CHECK(args.activation >= 0 && args.activation < instance_norm::kNumActivations,
+              "activation must be in [0, ", text(instance_norm::kNumActivations), "), got ", text(args.activation));
+  instance_norm::Epilogue epilogue{};
+  epilogue.activation = static_cast<instance_norm::Activation>(args.activation);
+  epilogue.negative_slope = static_cast<float>(args.negative_slope);
+  if (args.residual) {
+    const at::Tensor& r = *args.residual;
+    TORCH_CHECK(r.sizes() == x.sizes() && r.strides() == x.strides() && r.scalar_type() == x.scalar_type() &&
+                    r.device() == x.device() && reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0,
+                "residual must have the input's shape, strides, dtype and device, 16-byte aligned");
+    epilogue.residual = r.data_ptr();
+  }
+  return epilogue;
+}
+
 // What every forward launch of `x` needs: its output (allocated before any other
 // buffer of the call, so that tests which poison the block a same-sized output will
 // take see it land there), weight and bias as float32 (kept alive here), and the
@@ -499,26 +633,29 @@ struct ForwardCall {
   instance_norm::ForwardProblem problem;
 
   ForwardCall(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-              double eps)
+              double eps, const EpilogueArgs& epilogue)
       : layout(check_kernel_input(x)),
         output(at::empty_like(x)),
         weight_f32(channel_float32(weight, "weight", x)),
         bias_f32(channel_float32(bias, "bias", x)),
-        problem(make_problem(x, layout, weight_f32, bias_f32, eps)) {}
+        problem(make_problem(x, layout, weight_f32, bias_f32, eps)) {
+    problem.epilogue = kernel_epilogue(epilogue, x);
+  }
 };
 
 // input: (N, C, *spatial) CUDA float32/float16/bfloat16, contiguous or channels-last.
 // weight, bias: None or C values (any float dtype) on the input's device.
 // Returns (y, stats): y of the input's shape, dtype and layout, every (n, c) slice
 // normalized, (x - mean) * rstd with rstd = 1 / sqrt(var + eps) (biased var), times
-// weight[c] plus bias[c]; stats the slices' float32 statistics, (2, N * C): row 0
-// mean, row 1 rstd, in one tensor because each allocation costs host time. Without
-// save_stats, stats is undefined (None) and nothing is allocated for it.
+// weight[c] plus bias[c], then the epilogue act(. + residual); stats the slices'
+// float32 statistics, (2, N * C): row 0 mean, row 1 rstd, in one tensor because each
+// allocation costs host time. Without save_stats, stats is undefined (None) and
+// nothing is allocated for it.
 TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                        const std::optional<at::Tensor>& bias, double eps, instance_norm::ForwardPath path,
-                        bool save_stats) {
+                        const std::optional<at::Tensor>& bias, double eps, const EpilogueArgs& epilogue,
+                        instance_norm::ForwardPath path, bool save_stats) {
   const c10::cuda::CUDAGuard device_guard(x.device());  // CUDA tensors only reach here
-  ForwardCall call(x, weight, bias, eps);
+  ForwardCall call(x, weight, bias, eps, epilogue);
   at::Tensor stats;
   if (save_stats) {
     stats = at::empty({2, call.problem.num_slices()}, x.options().dtype(at::kFloat));
@@ -530,8 +667,10 @@ TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& we
 }
 
 TensorPair forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                        const std::optional<at::Tensor>& bias, double eps) {
-  return forward_impl(input, weight, bias, eps, instance_norm::ForwardPath::kAuto, true);
+                        const std::optional<at::Tensor>& bias, double eps, int64_t activation, double negative_slope,
+                        const std::optional<at::Tensor>& residual) {
+  return forward_impl(input, weight, bias, eps, {activation, negative_slope, residual},
+                      instance_norm::ForwardPath::kAuto, true);
 }
 
 // The statistics of `input` (N, C, *spatial) in stats, forward's (2, N * C) float32
@@ -546,12 +685,13 @@ std::pair<const float*, const float*> stats_rows(const at::Tensor& stats, const 
 }
 
 // use_input_stats=False: y = (x - running_mean[c]) / sqrt(running_var[c] + eps)
-// * weight[c] + bias[c], one elementwise sweep.
+// * weight[c] + bias[c], then the epilogue; one elementwise sweep.
 at::Tensor forward_eval_cuda(const at::Tensor& input, const at::Tensor& running_mean, const at::Tensor& running_var,
                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                             double eps) {
+                             double eps, int64_t activation, double negative_slope,
+                             const std::optional<at::Tensor>& residual) {
   const c10::cuda::CUDAGuard device_guard(input.device());  // CUDA tensors only reach here
-  ForwardCall call(input, weight, bias, eps);
+  ForwardCall call(input, weight, bias, eps, {activation, negative_slope, residual});
   const std::optional<at::Tensor> mean_f32 = channel_float32(running_mean, "running_mean", input);
   const std::optional<at::Tensor> var_f32 = channel_float32(running_var, "running_var", input);
   call.problem.running_mean = mean_f32->data_ptr<float>();
@@ -604,24 +744,34 @@ instance_norm::BackwardPath checked_backward_path(int64_t path) {
   return static_cast<instance_norm::BackwardPath>(path);
 }
 
-// Gradient of forward for its input, weight and bias. grad_output and input: same
-// shape, strides (contiguous or channels-last), dtype and device; stats: forward's
-// (2, N * C) output; weight: None or C values. Returns (grad_input in the input's dtype
-// and layout, grad_parameters): grad_parameters float32 (2, C), row 0 grad_weight and
-// row 1 grad_bias, the sums over n of the per-slice sum(dy * xhat) and sum(dy) in a
-// fixed order (bit-identical run to run); without channel_sums (no parameter needs
-// them) it is (2, 0) and the reduction is skipped.
-TensorPair backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
-                         const std::optional<at::Tensor>& weight, instance_norm::BackwardPath path,
-                         bool channel_sums) {
+// Gradient of forward for its input, weight, bias and residual. grad_output and
+// input: same shape, strides (contiguous or channels-last), dtype and device; stats:
+// forward's (2, N * C) output; weight, bias: None or C values; the epilogue as in the
+// forward (bias and residual are read only with an activation). Returns (grad_input
+// in the input's dtype and layout, grad_parameters, grad_residual): grad_parameters
+// float32 (2, C), row 0 grad_weight and row 1 grad_bias, the sums over n of the
+// per-slice sum(g * xhat) and sum(g), g = dy * act'(pre), in a fixed order
+// (bit-identical run to run); without channel_sums (no parameter needs them) it is
+// (2, 0) and the reduction is skipped. grad_residual is g (the input's dtype and
+// layout) with a residual and an activation, else an empty (0) tensor: without an
+// activation the residual's gradient is grad_output itself.
+TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                           const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                           const EpilogueArgs& epilogue, instance_norm::BackwardPath path, bool channel_sums) {
   const instance_norm::Layout layout = check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const auto [mean, rstd] = stats_rows(stats, input);
   at::Tensor grad_input = at::empty_like(input);
+  const bool activation = epilogue.activation != 0;
+  const at::Tensor grad_residual = activation && epilogue.residual ? at::empty_like(input) : float_buffer(0, input);
   const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
+  const std::optional<at::Tensor> bias_f32 = activation ? channel_float32(bias, "bias", input) : std::nullopt;
   instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, weight_f32);
   problem.mean = mean;
   problem.rstd = rstd;
+  problem.epilogue = kernel_epilogue(epilogue, input);
+  problem.bias = bias_f32 ? bias_f32->data_ptr<float>() : nullptr;
+  problem.grad_residual = grad_residual.numel() > 0 ? grad_residual.data_ptr() : nullptr;
   TORCH_CHECK(instance_norm::backward_path_supported(path, problem), "backward path ", text(static_cast<int>(path)),
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
   problem.dx = grad_input.data_ptr();  // before choosing: the path may depend on dx's alignment
@@ -648,46 +798,75 @@ TensorPair backward_impl(const at::Tensor& grad_output, const at::Tensor& input,
     C10_CUDA_CHECK(instance_norm::parameter_gradients(grad_weight, grad_weight + channels, problem.sum_dy_xhat,
                                                       problem.sum_dy, input.size(0), channels, stream));
   }
-  return {grad_input, grad_parameters};
+  return {grad_input, grad_parameters, grad_residual};
 }
 
-TensorPair backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
-                         const std::optional<at::Tensor>& weight, bool channel_sums) {
-  return backward_impl(grad_output, input, stats, weight, instance_norm::BackwardPath::kAuto, channel_sums);
+TensorTriple backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                           const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                           int64_t activation, double negative_slope, const std::optional<at::Tensor>& residual,
+                           bool channel_sums) {
+  return backward_impl(grad_output, input, stats, weight, bias, {activation, negative_slope, residual},
+                       instance_norm::BackwardPath::kAuto, channel_sums);
 }
 
 // ---------------------------------------------------------------------------
 // 4. Test interface: forced paths and the chooser's answers
 // ---------------------------------------------------------------------------
 
+// The epilogue of a test call: activation by its front name, the residual in the
+// input's layout (aligned).
+EpilogueArgs test_epilogue(const at::Tensor& input, const std::optional<std::string>& activation,
+                           double negative_slope, const std::optional<at::Tensor>& residual) {
+  const std::optional<c10::string_view> name =
+      activation ? std::optional<c10::string_view>(*activation) : std::nullopt;
+  return {activation_code(name), negative_slope,
+          residual ? std::optional<at::Tensor>(kernel_readable_like(*residual, input)) : std::nullopt};
+}
+
 TensorPair forward_with_stats(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                              const std::optional<at::Tensor>& bias, double eps, int64_t path, bool save_stats) {
+                              const std::optional<at::Tensor>& bias, double eps, int64_t path, bool save_stats,
+                              const std::optional<std::string>& activation, double negative_slope,
+                              const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
   TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
-  return forward_impl(readable(input), weight, bias, eps, checked_path(path), save_stats);
+  const at::Tensor x = readable(input);
+  return forward_impl(x, weight, bias, eps, test_epilogue(x, activation, negative_slope, residual), checked_path(path),
+                      save_stats);
 }
 
 at::Tensor forward_test(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                        const std::optional<at::Tensor>& bias, double eps, int64_t path) {
-  return std::get<0>(forward_with_stats(input, weight, bias, eps, path, false));
+                        const std::optional<at::Tensor>& bias, double eps, int64_t path,
+                        const std::optional<std::string>& activation, double negative_slope,
+                        const std::optional<at::Tensor>& residual) {
+  return std::get<0>(
+      forward_with_stats(input, weight, bias, eps, path, false, activation, negative_slope, residual));
 }
 
-TensorTriple backward_test(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
-                           const std::optional<at::Tensor>& weight, int64_t path, bool channel_sums) {
-  const auto [grad_input, grad_parameters] =
-      backward_impl(grad_output, input, stats, weight, checked_backward_path(path), channel_sums);
-  return {grad_input, grad_parameters[0], grad_parameters[1]};
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_test(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+    const std::optional<at::Tensor>& weight, int64_t path, bool channel_sums, const std::optional<at::Tensor>& bias,
+    const std::optional<std::string>& activation, double negative_slope, const std::optional<at::Tensor>& residual) {
+  const auto [grad_input, grad_parameters, grad_residual] =
+      backward_impl(grad_output, input, stats, weight, bias, test_epilogue(input, activation, negative_slope, residual),
+                    checked_backward_path(path), channel_sums);
+  return {grad_input, grad_parameters[0], grad_parameters[1], grad_residual};
 }
 
-// Whether backward(..., path) can run for this input (grad_output laid out alike) on its device.
-bool backward_path_supported(const at::Tensor& input, int64_t path) {
+// Whether backward(..., path) can run for this input (grad_output laid out alike) on
+// its device, with a residual's gradient through an activation (residual_gradient)
+// or without.
+bool backward_path_supported(const at::Tensor& input, int64_t path, bool residual_gradient) {
   TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
   const std::optional<instance_norm::Layout> layout = native_layout(input);
   if (path < 0 || path >= instance_norm::kNumBackwardPaths || !layout) return false;
   check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  return instance_norm::backward_path_supported(static_cast<instance_norm::BackwardPath>(path),
-                                                make_backward_problem(input, input, *layout, std::nullopt));
+  instance_norm::BackwardProblem problem = make_backward_problem(input, input, *layout, std::nullopt);
+  if (residual_gradient) {
+    problem.epilogue.activation = instance_norm::Activation::kRelu;
+    problem.epilogue.residual = input.data_ptr();
+  }
+  return instance_norm::backward_path_supported(static_cast<instance_norm::BackwardPath>(path), problem);
 }
 
 // The path forward(input, ..., path=0) takes for this input on its device.
@@ -714,12 +893,14 @@ bool path_supported(const at::Tensor& input, int64_t path) {
 // functionalizes it.
 TORCH_LIBRARY(instance_norm_cuda, m) {
   m.def("instance_norm(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor? weight, "
-        "Tensor? bias, bool use_input_stats, float momentum, float eps) -> Tensor");
-  m.def("forward(Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)");
-  m.def("backward(Tensor grad_output, Tensor input, Tensor stats, Tensor? weight, bool channel_sums) "
-        "-> (Tensor, Tensor)");
+        "Tensor? bias, bool use_input_stats, float momentum, float eps, str? activation=None, "
+        "float negative_slope=0.01, Tensor? residual=None) -> Tensor");
+  m.def("forward(Tensor input, Tensor? weight, Tensor? bias, float eps, int activation, float negative_slope, "
+        "Tensor? residual) -> (Tensor, Tensor)");
+  m.def("backward(Tensor grad_output, Tensor input, Tensor stats, Tensor? weight, Tensor? bias, int activation, "
+        "float negative_slope, Tensor? residual, bool channel_sums) -> (Tensor, Tensor, Tensor)");
   m.def("forward_eval(Tensor input, Tensor running_mean, Tensor running_var, Tensor? weight, Tensor? bias, "
-        "float eps) -> Tensor");
+        "float eps, int activation, float negative_slope, Tensor? residual) -> Tensor");
   m.def("update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor input, Tensor stats, "
         "float momentum, float eps) -> ()");
 }
@@ -750,19 +931,25 @@ TORCH_LIBRARY_IMPL(instance_norm_cuda, ADInplaceOrView, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "InstanceNorm CUDA kernels (see kernels/instance_norm.h and kernels/instance_norm_entry.cpp)";
   m.def("instance_norm", &instance_norm_eager,
-        "F.instance_norm on the kernels: (input, running_mean, running_var, weight, bias, use_input_stats, momentum, "
-        "eps), positional");
+        "F.instance_norm on the kernels, then the epilogue: (input, running_mean, running_var, weight, bias, "
+        "use_input_stats, momentum, eps, activation, negative_slope, residual), positional");
   m.def("forward", &forward_test, "forward (y only) on a forced path (0 = automatic)", py::arg("input"),
-        py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5, py::arg("path") = 0);
+        py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5, py::arg("path") = 0,
+        py::arg("activation") = py::none(), py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
   m.def("forward_with_stats", &forward_with_stats,
         "forward on a forced path: (y, stats), stats float32 (2, N * C) of the slices' mean (row 0) and rstd (row 1)",
         py::arg("input"), py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5,
-        py::arg("path") = 0, py::arg("save_stats") = true);
-  m.def("backward", &backward_test, "backward on a forced path: (grad_input, grad_weight, grad_bias)",
-        py::arg("grad_output"), py::arg("input"), py::arg("stats"), py::arg("weight") = py::none(),
-        py::arg("path") = 0, py::arg("channel_sums") = true);
+        py::arg("path") = 0, py::arg("save_stats") = true, py::arg("activation") = py::none(),
+        py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
+  m.def("backward", &backward_test,
+        "backward on a forced path: (grad_input, grad_weight, grad_bias, grad_residual)", py::arg("grad_output"),
+        py::arg("input"), py::arg("stats"), py::arg("weight") = py::none(), py::arg("path") = 0,
+        py::arg("channel_sums") = true, py::arg("bias") = py::none(), py::arg("activation") = py::none(),
+        py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
   m.def("backward_path_supported", &backward_path_supported,
-        "Whether backward(..., path) can run this input on its device", py::arg("input"), py::arg("path"));
+        "Whether backward(..., path) can run this input on its device (residual_gradient: with a residual's "
+        "gradient through an activation)",
+        py::arg("input"), py::arg("path"), py::arg("residual_gradient") = false);
   m.def("chosen_path", &chosen_path, "ForwardPath that path=0 takes for this input on its device", py::arg("input"));
   m.def("path_supported", &path_supported, "Whether forward(input, ..., path) can run this input on its device",
         py::arg("input"), py::arg("path"));

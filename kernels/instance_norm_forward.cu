@@ -24,7 +24,9 @@ namespace forward_detail {
 // scaled values (SliceShift), as on the other paths.
 constexpr int kWarpPathThreads = 512;
 
-template <typename T, int VALUES>
+// EPILOGUE: compiled with the epilogue (launched for problems with one); the plain
+// kernels keep their registers (32 values a lane spilled with the epilogue's code).
+template <typename T, int VALUES, bool EPILOGUE>
 __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThreads)
     forward_warp_kernel(const ForwardProblem p) {
   using S = Storage<T>;
@@ -61,7 +63,10 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
       const int i = lane + k * kWarpSize;
-      if (i < spatial) slice_y[i] = S::from_float((d[k] - mean) * scale + affine.y);
+      if (i < spatial) {
+        const float value = (d[k] - mean) * scale + affine.y;
+        slice_y[i] = S::from_float(EPILOGUE ? epilogue_value(p.epilogue, p.y, slice_y + i, value) : value);
+      }
     }
   }
 }
@@ -175,14 +180,15 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
         S::unpack(slice_vectors[v], values);
 #pragma unroll
         for (int k = 0; k < kPer; ++k) values[k] = y_of(values[k]);
+        apply_epilogue(p.epilogue, p.y, slice_y + v * kPer, values);
         store_streaming(reinterpret_cast<uint4*>(slice_y) + v, S::pack(values));
       }
       for (int i = num_vecs * kPer + threadIdx.x; i < spatial; i += THREADS) {
-        slice_y[i] = S::from_float(y_of(S::to_float(slice_values[i])));
+        slice_y[i] = S::from_float(epilogue_value(p.epilogue, p.y, slice_y + i, y_of(S::to_float(slice_values[i]))));
       }
     } else {
       for (int i = threadIdx.x; i < spatial; i += THREADS) {
-        slice_y[i] = S::from_float(y_of(S::to_float(slice_values[i])));
+        slice_y[i] = S::from_float(epilogue_value(p.epilogue, p.y, slice_y + i, y_of(S::to_float(slice_values[i]))));
       }
     }
     __syncthreads();  // every thread has read the slice before the next one overwrites it
@@ -331,6 +337,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
       float out[kPer];
 #pragma unroll
       for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(values[k] - shift_value[k], scale[k], offset[k]);
+      apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(tile_y + s * pixel_vectors), out);
       store_streaming(tile_y + s * pixel_vectors, S::pack(out));
     });
     __syncthreads();  // every thread has read the tile before the next one overwrites it
@@ -463,6 +470,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
         float out[kPer];
 #pragma unroll
         for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(kHoldsD ? v[k] : shift.apply(v[k]), scale, offset);
+        apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(slice_y + first + i * THREADS), out);
         store_streaming(slice_y + first + i * THREADS, S::pack(out));
       });
     });
@@ -511,13 +519,15 @@ bool resident_supported(TeamKind team, const ForwardProblem& p) {
 cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const auto launch = [&](auto kernel) {
+    const auto launch = [&](auto values) {
+      constexpr int kValues = decltype(values)::value;
+      const auto kernel = p.epilogue.active() ? forward_warp_kernel<T, kValues, true> : forward_warp_kernel<T, kValues, false>;
       kernel<<<grid_for(p.num_slices(), kWarpPathThreads / kWarpSize), kWarpPathThreads, 0, stream>>>(p);
       return cudaGetLastError();
     };
-    if (p.spatial <= 2 * kWarpSize) return launch(forward_warp_kernel<T, 2>);
-    if (p.spatial <= 8 * kWarpSize) return launch(forward_warp_kernel<T, 8>);
-    return launch(forward_warp_kernel<T, 32>);
+    if (p.spatial <= 2 * kWarpSize) return launch(cuda::std::integral_constant<int, 2>());
+    if (p.spatial <= 8 * kWarpSize) return launch(cuda::std::integral_constant<int, 8>());
+    return launch(cuda::std::integral_constant<int, 32>());
   });
 }
 

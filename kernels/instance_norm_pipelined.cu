@@ -208,6 +208,7 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
           S::unpack(slot[i * kDataThreads], v);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) v[k] = __fmaf_rn(kHoldsD ? v[k] : shift_output.apply(v[k]), scale, offset);
+          apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(out + i * kDataThreads), v);
           store_streaming(out + i * kDataThreads, S::pack(v));
         }
         if (statistics) {

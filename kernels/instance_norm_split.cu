@@ -250,6 +250,7 @@ __global__ void __launch_bounds__(kThreads)
           v[i] = ((v[i] - s.x) - s.y) * s.z + s.w;
         }
       }
+      apply_epilogue(p.epilogue, p.y, y + unit * V, v);
       store_values<T, V>(y, unit * V, v);
     }
   }

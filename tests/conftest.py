@@ -1,4 +1,5 @@
 """Shared fixtures; tests marked `gpu` are skipped where no CUDA GPU is visible (CI)."""
+import importlib.util
 import os
 import sys
 
@@ -22,4 +23,13 @@ def pytest_collection_modifyitems(config, items):
 def solution():
     """The solution module, imported once (this builds the extension)."""
     import solution as module
+    return module
+
+
+@pytest.fixture(scope="session")
+def nets(solution):
+    """benchmarks/nets.py as a module (the real-network benchmark's nets)."""
+    spec = importlib.util.spec_from_file_location("nets", os.path.join(ROOT, "benchmarks", "nets.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module

@@ -1,22 +1,8 @@
 """CPU tests of the real-network benchmark's nets (benchmarks/nets.py): the published
 architectures' norm and parameter counts, the same conv weights for every norm
 variant, and the accuracy comparison."""
-import importlib.util
-import os
-
 import pytest
 import torch
-
-from conftest import ROOT
-
-
-@pytest.fixture(scope="module")
-def nets(solution):
-    spec = importlib.util.spec_from_file_location("nets", os.path.join(ROOT, "benchmarks", "nets.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 # net: (norms, parameters of the published design, a small input)
 DESIGNS = {"transformer": (15, 1_679_235, (1, 3, 32, 32)), "cyclegan": (23, 11_378_179, (1, 3, 32, 32)),

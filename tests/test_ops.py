@@ -53,7 +53,7 @@ def test_training_forward_traces_to_forward_and_the_running_update(solution):
     assert not any("clone" in op or "copy" in op for op in ops), ops  # channels-last is read in place
     # The fake output keeps the input's layout, as the CUDA kernel's does.
     with FakeTensorMode(allow_non_fake_inputs=True):
-        y, stats = torch.ops.instance_norm_cuda.forward(x, weight, None, 1e-5)
+        y, stats = torch.ops.instance_norm_cuda.forward(x, weight, None, 1e-5, 0, 0.01, None)
     assert y.stride() == x.stride() and stats.shape == (2, 2 * 3) and stats.dtype == torch.float32
 
 

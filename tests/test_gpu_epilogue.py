@@ -1,0 +1,155 @@
+"""GPU tests of the fused epilogues act(norm(x) * weight + bias + residual): every
+activation, with and without a residual, in float32 and bfloat16, contiguous and
+channels-last, on every forward and backward path that can run the input, against
+the same composition in float64; then the functional's autograd, eval mode and
+torch.compile."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reference import (BACKWARD_GENERIC, BACKWARD_PATHS, FORWARD_PATHS, TOLERANCE, channels_last, float64_reference,
+                       run_poisoned)
+
+pytestmark = pytest.mark.gpu
+
+ACTIVATIONS = (None, "relu", "leaky_relu", "silu", "gelu", "gelu_tanh")
+SLOPE = 0.2
+DTYPES = (torch.float32, torch.bfloat16)
+# Warp, block, split (aligned and not), cluster, cooperative and pipelined contiguous
+# slices; channels-last tiles (block and split).
+SHAPES = ((2, 8, 24, 24), (3, 5, 9, 9), (2, 4, 128, 128), (1, 2, 512, 512))
+CHANNELS_LAST_SHAPES = ((2, 16, 20, 20), (2, 6, 9, 9))
+GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def activate64(v, activation):
+    """The activation as torch.nn.functional computes it (float64 inputs here)."""
+    return {None: lambda t: t, "relu": F.relu, "leaky_relu": lambda t: F.leaky_relu(t, SLOPE), "silu": F.silu,
+            "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation](v)
+
+
+def reference64(x, weight, bias, residual, activation):
+    pre = float64_reference(x, weight, bias)
+    if residual is not None:
+        pre = pre + residual.double()
+    return activate64(pre, activation)
+
+
+def inputs(shape, dtype, layout, with_residual, seed):
+    """x, weight, bias, residual (or None), with x moved off the pre-activation's kinks:
+    where float64 puts a pre-activation within 1e-3 of 0 the kernels' float32 may put
+    it on the other side, and relu's derivative there is 0 or 1."""
+    torch.manual_seed(seed)
+    x = (torch.randn(shape, device="cuda") * 2 + 1).to(dtype)
+    weight, bias = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
+    residual = torch.randn(shape, device="cuda").to(dtype) if with_residual else None
+    for _ in range(3):
+        pre = reference64(x, weight, bias, residual, None)
+        x = torch.where(pre.abs() < 1e-3, x.double() + 0.05, x.double()).to(dtype)
+    if layout == "channels_last":
+        x = channels_last(x)
+        residual = channels_last(residual) if with_residual else None
+    return x, weight, bias, residual
+
+
+def cases(dtype, with_residual, seed):
+    for shape in SHAPES:
+        yield inputs(shape, dtype, "contiguous", with_residual, seed)
+    for shape in CHANNELS_LAST_SHAPES:
+        yield inputs(shape, dtype, "channels_last", with_residual, seed)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_epilogue_matches_float64_on_every_path(solution, activation, with_residual, dtype):
+    ran = set()
+    for x, weight, bias, residual in cases(dtype, with_residual, 31):
+        expected = reference64(x, weight, bias, residual, activation)
+        for path in [p for p in FORWARD_PATHS if solution._EXT.path_supported(x, p)]:
+            out, stats = run_poisoned(lambda: solution._EXT.forward_with_stats(
+                x, weight, bias, path=path, activation=activation, negative_slope=SLOPE, residual=residual), x)
+            assert out.stride() == x.stride() and out.dtype == x.dtype
+            torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype],
+                                       rtol=0 if dtype == torch.float32 else 1e-2,
+                                       msg=lambda m: f"{tuple(x.shape)} path {path}: {m}")
+            ran.add(path)
+    assert ran == set(FORWARD_PATHS), ran
+
+
+def gradients64(x, weight, bias, residual, activation, dy):
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    r64 = residual.detach().double().requires_grad_() if residual is not None else None
+    y = reference64(*leaves, r64, activation)
+    return torch.autograd.grad(y, leaves + ([r64] if r64 is not None else []), dy.double())
+
+
+def assert_close_scaled(actual, expected, tolerance, what):
+    scale = max(expected.abs().max().item(), 1e-6)
+    error = (actual.double() - expected).abs().max().item() / scale
+    assert error <= tolerance, f"{what}: max error {error:.3g} of the gradient's scale"
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_epilogue_matches_float64_on_every_path(solution, activation, with_residual, dtype):
+    """dx, dweight, dbias (and the residual's gradient with an activation; without one
+    it is dy itself, no kernel) on every backward path that takes the epilogue."""
+    ran = set()
+    for x, weight, bias, residual in cases(dtype, with_residual, 47):
+        dy = torch.randn_like(x)
+        expected = gradients64(x, weight, bias, residual, activation, dy)
+        _, stats = solution._EXT.forward_with_stats(x, weight, bias)
+        residual_gradient = with_residual and activation is not None
+        paths = [p for p in BACKWARD_PATHS if solution._EXT.backward_path_supported(x, p, residual_gradient)]
+        assert BACKWARD_GENERIC in paths
+        for path in paths:
+            dx, dweight, dbias, dresidual = run_poisoned(lambda: solution._EXT.backward(
+                dy, x, stats, weight, path, True, bias, activation, SLOPE, residual), x)
+            assert dx.stride() == x.stride() and torch.isfinite(dx).all()
+            actual = [dx, dweight, dbias] + ([dresidual if residual_gradient else dy] if with_residual else [])
+            assert residual_gradient or dresidual.numel() == 0
+            for got, want, what in zip(actual, expected, ("dx", "dweight", "dbias", "dresidual")):
+                assert_close_scaled(got, want, GRAD_TOLERANCE[dtype], f"{tuple(x.shape)} path {path} {what}")
+            ran.add(path)
+    assert ran == (set(BACKWARD_PATHS) if not (with_residual and activation) else {BACKWARD_GENERIC}), ran
+
+
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "gelu"])
+@pytest.mark.parametrize("use_input_stats", [True, False], ids=["train", "eval"])
+def test_functional_autograd_matches_the_pytorch_composition(solution, activation, use_input_stats):
+    """instance_norm(..., activation, residual) and its gradients for every input,
+    through the C++ autograd (training) and the eval-mode Function, against
+    act(F.instance_norm(...) + residual) in float64."""
+    x, weight, bias, residual = inputs((2, 4, 64, 64), torch.float32, "contiguous", True, 5)
+    running = (torch.randn(4, device="cuda"), torch.rand(4, device="cuda") + 0.5)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias, residual)]
+    out = solution.instance_norm(leaves[0], *running, leaves[1], leaves[2], use_input_stats=use_input_stats,
+                                 activation=activation, negative_slope=SLOPE, residual=leaves[3])
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dy)
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, weight, bias, residual)]
+    running64 = [t.double() for t in running]
+    expected = activate64(F.instance_norm(leaves64[0], *running64, leaves64[1], leaves64[2],
+                                          use_input_stats=use_input_stats) + leaves64[3], activation)
+    torch.testing.assert_close(out.double(), expected.detach(), atol=1e-4, rtol=0)
+    for got, want, what in zip(grads, torch.autograd.grad(expected, leaves64, dy.double()),
+                               ("x", "weight", "bias", "residual")):
+        assert_close_scaled(got, want, 1e-4, what)
+
+
+def test_module_activation_under_compile_fullgraph(solution):
+    """A module with a fused activation compiles with fullgraph (no graph break) and
+    matches eager, forward and gradients."""
+    torch.manual_seed(9)
+    module = solution.InstanceNorm2d(8, affine=True, activation="silu").cuda()
+    x = torch.randn(2, 8, 32, 32, device="cuda")
+    compiled = torch.compile(module, fullgraph=True)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager_out, compiled_out = module(xe), compiled(xc)
+    torch.testing.assert_close(compiled_out, eager_out)
+    dy = torch.randn_like(eager_out)
+    eager_out.backward(dy)
+    compiled_out.backward(dy)
+    torch.testing.assert_close(xc.grad, xe.grad)
