@@ -224,14 +224,6 @@ at::Tensor activation_gradient_aten(const at::Tensor& grad, const at::Tensor& pr
   }
 }
 
-// `t` (same shape as `like`) with like's native layout, 16-byte aligned as the
-// kernels read it, copying only if needed.
-at::Tensor kernel_readable_like(const at::Tensor& t, const at::Tensor& like) {
-  at::Tensor out = like_layout(t, like);
-  if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0) out = out.clone(at::MemoryFormat::Preserve);
-  return out;
-}
-
 // PyTorch's F.instance_norm (input, running_mean, running_var, weight, bias,
 // use_input_stats, momentum, eps) on this project's kernels, then the fused
 // epilogue act(y + residual); see solution.instance_norm for the semantics. CUDA
@@ -262,7 +254,7 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
   }
   TORCH_CHECK(eps >= 0.0, "instance_norm: eps must be >= 0, got ", text(eps));
   const at::Tensor x = readable(input);
-  if (residual) epilogue.residual = kernel_readable_like(*residual, x);
+  if (residual) epilogue.residual = like_layout(*residual, x);
   const std::optional<at::Tensor>& r = epilogue.residual;
   if (!use_input_stats) {
     return forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps, epilogue.activation,
@@ -603,9 +595,12 @@ void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::F
 }
 
 // The kernels' Epilogue from the ops' arguments. The residual must have x's sizes,
-// strides, dtype and device and be 16-byte aligned (the front makes it so); an
-// internal invariant of the ops, checked for direct calls.
-instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tensor& x) {
+// strides, dtype and device (the front makes it so; an internal invariant of the
+// ops, checked for direct calls). The kernels read it in 16-byte vectors: one at
+// another alignment (a view at an odd offset) is copied into `aligned`, which the
+// caller keeps alive over the launch. That copy is made here, on real tensors,
+// because the front cannot see addresses while torch.compile traces it.
+instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tensor& x, at::Tensor& aligned) {
   TORCH_CHECK(args.activation >= 0 && args.activation < instance_norm::kNumActivations,
               "activation must be in [0, ", text(instance_norm::kNumActivations), "), got ", text(args.activation));
   instance_norm::Epilogue epilogue{};
@@ -614,9 +609,10 @@ instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tens
   if (args.residual) {
     const at::Tensor& r = *args.residual;
     TORCH_CHECK(r.sizes() == x.sizes() && r.strides() == x.strides() && r.scalar_type() == x.scalar_type() &&
-                    r.device() == x.device() && reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0,
-                "residual must have the input's shape, strides, dtype and device, 16-byte aligned");
-    epilogue.residual = r.data_ptr();
+                    r.device() == x.device(),
+                "residual must have the input's shape, strides, dtype and device");
+    aligned = reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0 ? r : r.clone(at::MemoryFormat::Preserve);
+    epilogue.residual = aligned.data_ptr();
   }
   return epilogue;
 }
@@ -630,6 +626,7 @@ struct ForwardCall {
   instance_norm::Layout layout;
   at::Tensor output;
   std::optional<at::Tensor> weight_f32, bias_f32;
+  at::Tensor residual;  // the epilogue's residual as the kernels read it (see kernel_epilogue)
   instance_norm::ForwardProblem problem;
 
   ForwardCall(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
@@ -639,7 +636,7 @@ struct ForwardCall {
         weight_f32(channel_float32(weight, "weight", x)),
         bias_f32(channel_float32(bias, "bias", x)),
         problem(make_problem(x, layout, weight_f32, bias_f32, eps)) {
-    problem.epilogue = kernel_epilogue(epilogue, x);
+    problem.epilogue = kernel_epilogue(epilogue, x, residual);
   }
 };
 
@@ -769,7 +766,8 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, weight_f32);
   problem.mean = mean;
   problem.rstd = rstd;
-  problem.epilogue = kernel_epilogue(epilogue, input);
+  at::Tensor residual;  // kept alive over the launch (see kernel_epilogue)
+  problem.epilogue = kernel_epilogue(epilogue, input, residual);
   problem.bias = bias_f32 ? bias_f32->data_ptr<float>() : nullptr;
   problem.grad_residual = grad_residual.numel() > 0 ? grad_residual.data_ptr() : nullptr;
   TORCH_CHECK(instance_norm::backward_path_supported(path, problem), "backward path ", text(static_cast<int>(path)),
@@ -814,13 +812,13 @@ TensorTriple backward_cuda(const at::Tensor& grad_output, const at::Tensor& inpu
 // ---------------------------------------------------------------------------
 
 // The epilogue of a test call: activation by its front name, the residual in the
-// input's layout (aligned).
+// input's layout (the ops align it).
 EpilogueArgs test_epilogue(const at::Tensor& input, const std::optional<std::string>& activation,
                            double negative_slope, const std::optional<at::Tensor>& residual) {
   const std::optional<c10::string_view> name =
       activation ? std::optional<c10::string_view>(*activation) : std::nullopt;
   return {activation_code(name), negative_slope,
-          residual ? std::optional<at::Tensor>(kernel_readable_like(*residual, input)) : std::nullopt};
+          residual ? std::optional<at::Tensor>(like_layout(*residual, input)) : std::nullopt};
 }
 
 TensorPair forward_with_stats(const at::Tensor& input, const std::optional<at::Tensor>& weight,

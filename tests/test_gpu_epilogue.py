@@ -153,3 +153,22 @@ def test_module_activation_under_compile_fullgraph(solution):
     eager_out.backward(dy)
     compiled_out.backward(dy)
     torch.testing.assert_close(xc.grad, xe.grad)
+
+
+def test_residual_view_at_an_odd_offset(solution):
+    """A residual the kernels cannot read in 16-byte vectors (a view one element into
+    its storage) gives the composition's output and gradients: the ops copy it."""
+    torch.manual_seed(12)
+    shape = (2, 8, 24, 24)
+    x = torch.randn(shape, device="cuda", requires_grad=True)
+    base = torch.randn(x.numel() + 1, device="cuda", requires_grad=True)
+    residual = base[1:].view(shape)
+    out = solution.instance_norm(x, activation="silu", residual=residual)
+    x64, base64 = x.detach().double().requires_grad_(), base.detach().double().requires_grad_()
+    expected = F.silu(F.instance_norm(x64) + base64[1:].view(shape))
+    dy = torch.randn(shape, device="cuda")
+    out.backward(dy)
+    expected.backward(dy.double())
+    torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x.grad, x64.grad.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(base.grad, base64.grad.float(), atol=1e-4, rtol=1e-4)
