@@ -25,6 +25,8 @@ e.g. 512 x 512) held in registers by a thread-block cluster.
 """
 import hashlib
 import inspect
+import logging
+import operator
 import os
 import sys
 import time
@@ -32,6 +34,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.cpp_extension
 from torch.utils.cpp_extension import load_inline
 
@@ -231,6 +234,7 @@ def _register_fake(name):
 @_register_fake("forward")
 def _forward_fake(input, weight, bias, eps, activation, negative_slope, residual):
     """(y like input, stats float32 (2, N * C): mean, rstd); input already contiguous or channels-last."""
+    _install_compile_fusion()
     slices = input.shape[0] * input.shape[1]
     return torch.empty_like(input), input.new_empty((2, slices), dtype=torch.float32)
 
@@ -247,6 +251,7 @@ def _backward_fake(grad_output, input, stats, weight, bias, activation, negative
 
 @_register_fake("forward_eval")
 def _forward_eval_fake(input, running_mean, running_var, weight, bias, eps, activation, negative_slope, residual):
+    _install_compile_fusion()
     return torch.empty_like(input)
 
 
@@ -489,8 +494,6 @@ def convert_instance_norm(module, fuse_activations=True):
     (its activation=) and replaced by nn.Identity. Returns the converted module (a
     new object only when `module` is itself a norm); what was converted and fused is
     logged at INFO level by the logger "instance_norm"."""
-    import logging
-
     converted, fused = [], []
 
     def convert(name, child):
@@ -514,3 +517,192 @@ def convert_instance_norm(module, fuse_activations=True):
     logging.getLogger("instance_norm").info("convert_instance_norm: converted %d norms (%s), fused %d activations (%s)",
                                             len(converted), ", ".join(converted), len(fused), ", ".join(fused))
     return module
+
+
+# Epilogue fusion under torch.compile. A rewrite of the graph Dynamo captures
+# (inductor's pre_grad_custom_pass hook, which runs before AOTAutograd derives the
+# backward, so the fused op's own autograd serves the backward) folds the activation
+# and the residual add that follow our norm into its epilogue: F.relu(norm(x)) and
+# norm(x) + r become one instance_norm_cuda::instance_norm call, forward and backward,
+# as inductor fuses PyTorch's own norm with them. Pre-grad graphs are not
+# functional, so the rewrite fires only where it cannot change what the graph
+# computes: the norm's output has that one user, the added tensor has the output's
+# shape, dtype and device (no broadcast, no type promotion), and no node between
+# the norm and its user may mutate a tensor. Verified on torch 2.11 and 2.14; before
+# 2.11 it is not installed. On other graph forms it matches nothing and changes nothing.
+_COMPILE_FUSION = {"enabled": True}
+_FRONT_ARGUMENTS = tuple(argument.name for argument in _instance_norm_op._schema.arguments)
+_FRONT_DEFAULTS = {argument.name: argument.default_value for argument in _instance_norm_op._schema.arguments
+                   if argument.has_default_value()}
+_FRONT_TARGETS = (_instance_norm_op, torch.ops.instance_norm_cuda.instance_norm)
+_RELU_TARGETS = (torch.relu, torch.relu_, F.relu, F.relu_)
+_ADD_TARGETS = (operator.add, torch.add)
+_INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul, operator.setitem, operator.delitem)
+_MINIMUM_TORCH_FOR_COMPILE_FUSION = (2, 11)
+
+
+def set_compile_fusion(enabled):
+    """Turns the torch.compile epilogue fusion on (the default) or off for graphs
+    compiled from now on (inductor's cache key includes the setting)."""
+    _COMPILE_FUSION["enabled"] = bool(enabled)
+
+
+def _activation_applied(node):
+    """(activation, negative_slope) that FX node `node` of a Dynamo graph applies to
+    its first argument, if one instance_norm can fuse, else None."""
+    args, kwargs = node.args, node.kwargs
+    if node.op == "call_method":
+        return ("relu", 0.01) if node.target in ("relu", "relu_") else None
+    if node.op != "call_function":
+        return None
+    if node.target in _RELU_TARGETS:
+        return "relu", 0.01
+    if node.target is F.leaky_relu:
+        slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
+        return ("leaky_relu", float(slope)) if type(slope) in (int, float) else None
+    if node.target is F.silu:
+        return "silu", 0.01
+    if node.target is F.gelu:
+        approximate = args[1] if len(args) > 1 else kwargs.get("approximate", "none")
+        return {"none": ("gelu", 0.01), "tanh": ("gelu_tanh", 0.01)}.get(approximate)
+    return None
+
+
+def _tensor_added(node, norm):
+    """The other operand of `node` when it is an out-of-place add of `norm`'s output
+    and another FX node (alpha 1), else None."""
+    is_add = (node.op == "call_function" and node.target in _ADD_TARGETS) or (
+        node.op == "call_method" and node.target == "add")
+    if not is_add or len(node.args) != 2 or set(node.kwargs) - {"alpha"} or node.kwargs.get("alpha", 1) != 1:
+        return None
+    first, second = node.args
+    other = second if first is norm else first
+    return other if isinstance(other, torch.fx.Node) and other is not norm else None
+
+
+def _static_tensor_type(node):
+    """(shape, dtype, device) of the tensor FX node `node` produced while Dynamo traced, when its shape is static."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or not all(type(size) is int for size in value.shape):
+        return None
+    return tuple(value.shape), value.dtype, value.device
+
+
+def _may_mutate(node):
+    """Whether FX node `node` of a pre-grad graph may write a tensor in place (conservative)."""
+    if node.op == "call_module":
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True or True in node.args[1:]:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    schema = getattr(node.target, "_schema", None)
+    return (name.endswith("_") and not name.endswith("__")) or (schema is not None and schema.is_mutable)
+
+
+def _nothing_mutated_between(first, last):
+    """Whether no node strictly between FX nodes `first` and `last` may mutate a tensor."""
+    node = first.next
+    while node is not last:
+        if _may_mutate(node):
+            return False
+        node = node.next
+    return True
+
+
+def _absorb_user(graph, norm, arguments):
+    """Folds the one user of FX node `norm` (a front call whose arguments by name are
+    `arguments`) into a new front call in the user's place when the epilogue can take
+    it: an activation when the norm has none, else nothing; a residual add when it has
+    neither. Returns the new node, or None."""
+    (user,) = norm.users
+    if arguments["activation"] is not None or not _nothing_mutated_between(norm, user):
+        return None
+    activation = _activation_applied(user) if user.args and user.args[0] is norm else None
+    if activation is not None:
+        fused = dict(arguments, activation=activation[0], negative_slope=activation[1])
+    else:
+        residual = _tensor_added(user, norm) if arguments["residual"] is None else None
+        output_type = _static_tensor_type(norm)
+        if (residual is None or output_type is None or _static_tensor_type(residual) != output_type
+                or _static_tensor_type(user) != output_type):
+            return None
+        fused = dict(arguments, residual=residual)
+    with graph.inserting_before(user):
+        node = graph.call_function(_instance_norm_op, tuple(fused[name] for name in _FRONT_ARGUMENTS))
+    node.meta = dict(norm.meta, example_value=user.meta.get("example_value"))
+    user.replace_all_uses_with(node)
+    graph.erase_node(user)
+    graph.erase_node(norm)
+    return node
+
+
+def _fuse_epilogues(graph):
+    """Rewrites an FX graph from Dynamo in place: each instance_norm_cuda::instance_norm
+    call takes the activation (relu, leaky_relu, silu, gelu) and the residual add that
+    follow it into its epilogue, as instance_norm(..., activation=, residual=) defines
+    them. Returns the number of activations and adds folded."""
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _FRONT_TARGETS:
+            continue
+        arguments = dict(_FRONT_DEFAULTS, **dict(zip(_FRONT_ARGUMENTS, node.args)), **node.kwargs)
+        while len(node.users) == 1:
+            fused = _absorb_user(graph, node, arguments)
+            if fused is None:
+                break
+            node, folded = fused, folded + 1
+            arguments = dict(zip(_FRONT_ARGUMENTS, node.args))
+    return folded
+
+
+def _fusion_fingerprint():
+    """What identifies the rewrite for inductor's cache: its code and whether it is on."""
+    functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _static_tensor_type, _may_mutate,
+                 _nothing_mutated_between)
+    code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
+    return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
+
+
+def _install_compile_fusion():
+    """Installs _fuse_epilogues as inductor's pre_grad_custom_pass, keeping one set
+    before (run after ours). Called from the fake kernels, i.e. while Dynamo traces
+    our op: inductor is loaded by then when it is the backend, and importing it here
+    at import time would cost about 1.5 s. Does nothing without inductor loaded,
+    before torch 2.11, or when installed already."""
+    config = sys.modules.get("torch._inductor.config")
+    installed = None if config is None else config.pre_grad_custom_pass
+    if (config is None or getattr(installed, "instance_norm_epilogues", False)
+            or tuple(int(v) for v in torch.__version__.split(".")[:2]) < _MINIMUM_TORCH_FOR_COMPILE_FUSION):
+        return
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    # torch 2.14 also takes a list of passes there.
+    previous = tuple(installed) if isinstance(installed, (list, tuple)) else (installed,) if installed else ()
+
+    class EpilogueFusion(CustomGraphPass):
+        instance_norm_epilogues = True
+
+        def __call__(self, graph):
+            if _COMPILE_FUSION["enabled"]:
+                folded = _fuse_epilogues(graph)
+                if folded:
+                    logging.getLogger("instance_norm").info("torch.compile: folded %d activations and residual "
+                                                            "adds into instance norms", folded)
+            for other in previous:
+                other(graph)
+
+        def __reduce__(self):
+            # Inductor pickles its config into cache keys; this stands in for the
+            # hook there (a class defined in a function cannot be pickled).
+            return str, (f"instance_norm epilogue fusion {self.uuid()}",)
+
+        def uuid(self):
+            # A pass without a uuid makes inductor skip its cache, as it would without ours.
+            others = [other.uuid() if hasattr(other, "uuid") else None for other in previous]
+            return None if None in others else _fusion_fingerprint() + "".join(map(str, others))
+
+    config.pre_grad_custom_pass = EpilogueFusion()

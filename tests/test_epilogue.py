@@ -1,6 +1,8 @@
 """CPU tests of the fused epilogues' interface: the functional's CPU and float64
 fallback (the same composition with PyTorch ops), its errors, the modules'
 activation option, and convert_instance_norm on the real-network benchmark's nets."""
+import pickle
+
 import pytest
 import torch
 import torch.nn as nn
@@ -81,3 +83,97 @@ def test_converter_replaces_a_bare_norm_and_keeps_its_state(solution):
     assert converted.running_mean is norm.running_mean and converted.weight is norm.weight
     unfused = solution.convert_instance_norm(nn.Sequential(nn.InstanceNorm2d(2), nn.ReLU()), fuse_activations=False)
     assert isinstance(unfused[1], nn.ReLU) and unfused[0].activation is None
+
+
+def captured_and_rewritten(solution, fn, *inputs):
+    """fn captured by Dynamo (fullgraph) and its graph rewritten by the compile
+    fusion: (fn's output through the rewritten graph, activations and folds) where
+    each instance_norm call of the rewritten graph gives (activation, negative_slope,
+    has residual)."""
+    record = {}
+
+    def backend(gm, example_inputs):
+        record["folded"] = solution._fuse_epilogues(gm.graph)
+        gm.recompile()
+        record["calls"] = [(n.args[8], n.args[9], n.args[10] is not None) for n in gm.graph.nodes
+                           if n.target is solution._instance_norm_op]
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    return out, record
+
+
+def _mutating_between(norm):
+    def fn(x, r):
+        y = norm(x)
+        r.mul_(2)
+        return y + r
+    return fn
+
+
+def _two_users(norm):
+    def fn(x, r):
+        y = norm(x)
+        return F.relu(y) + y
+    return fn
+
+
+# case: (fn of (norm, fused norm) -> fn of (x, r), folds, the rewritten graph's instance_norm calls)
+FUSION_CASES = {
+    "relu": (lambda n, f: lambda x, r: F.relu(n(x)), 1, [("relu", 0.01, False)]),
+    "relu method in place": (lambda n, f: lambda x, r: n(x).relu_(), 1, [("relu", 0.01, False)]),
+    "relu module in place": (lambda n, f: lambda x, r: nn.ReLU(True)(n(x)), 1, [("relu", 0.01, False)]),
+    "leaky_relu": (lambda n, f: lambda x, r: F.leaky_relu(n(x), 0.2), 1, [("leaky_relu", 0.2, False)]),
+    "gelu tanh": (lambda n, f: lambda x, r: F.gelu(n(x), approximate="tanh"), 1, [("gelu_tanh", 0.01, False)]),
+    "silu of residual add": (lambda n, f: lambda x, r: F.silu(n(x) + r), 2, [("silu", 0.01, True)]),
+    "residual first": (lambda n, f: lambda x, r: torch.add(r, n(x)), 1, [(None, 0.01, True)]),
+    "add after the activation": (lambda n, f: lambda x, r: F.relu(n(x)) + r, 1, [("relu", 0.01, False)]),
+    "fused norm then add": (lambda n, f: lambda x, r: f(x) + r, 0, [("relu", 0.01, False)]),
+    "two users": (lambda n, f: _two_users(n), 0, [(None, 0.01, False)]),
+    "broadcast add": (lambda n, f: lambda x, r: n(x) + r[:, :1], 0, [(None, 0.01, False)]),
+    "promoting add": (lambda n, f: lambda x, r: n(x) + r.double(), 0, [(None, 0.01, False)]),
+    "scaled add": (lambda n, f: lambda x, r: torch.add(n(x), r, alpha=2), 0, [(None, 0.01, False)]),
+    "mutation in between": (lambda n, f: _mutating_between(n), 0, [(None, 0.01, False)]),
+    "other activation": (lambda n, f: lambda x, r: torch.tanh(n(x)), 0, [(None, 0.01, False)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSION_CASES))
+def test_compile_fusion_rewrites_only_what_it_can_fold(solution, case):
+    """The rewrite of Dynamo graphs folds an activation and a residual add that follow
+    a norm, and nothing else: the rewritten graph computes what fn computes."""
+    make, folds, calls = FUSION_CASES[case]
+    torch.manual_seed(5)
+    norm = solution.InstanceNorm2d(3, affine=True)
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    fused = solution.InstanceNorm2d(3, activation="relu")
+    x, r = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
+    expected = make(norm, fused)(x, r.clone())
+    out, record = captured_and_rewritten(solution, make(norm, fused), x, r.clone())
+    assert (record["folded"], record["calls"]) == (folds, calls)
+    torch.testing.assert_close(out, expected)
+
+
+def test_compile_fusion_installs_once_and_keeps_a_hook_set_before(solution):
+    import torch._inductor.config as config
+
+    seen = []
+    with config.patch(pre_grad_custom_pass=seen.append):
+        solution._install_compile_fusion()
+        installed = config.pre_grad_custom_pass
+        assert installed.instance_norm_epilogues
+        solution._install_compile_fusion()
+        assert config.pre_grad_custom_pass is installed
+        graph = torch.fx.Graph()
+        installed(graph)
+        assert seen == [graph]
+        assert installed.uuid() is None  # the earlier hook has no uuid: inductor must not cache
+        assert "epilogue fusion" in pickle.loads(pickle.dumps(installed))  # inductor pickles its config
+    with config.patch(pre_grad_custom_pass=None):
+        solution._install_compile_fusion()
+        first = config.pre_grad_custom_pass.uuid()
+        solution.set_compile_fusion(False)
+        assert isinstance(first, str) and config.pre_grad_custom_pass.uuid() != first
+        solution.set_compile_fusion(True)

@@ -155,6 +155,101 @@ def test_module_activation_under_compile_fullgraph(solution):
     torch.testing.assert_close(xc.grad, xe.grad)
 
 
+# The ops' activation codes (kActivationNames in kernels/instance_norm_entry.cpp).
+RELU, LEAKY_RELU = 1, 2
+
+
+def compiled_with_epilogues(model, x):
+    """model compiled by inductor (fullgraph, caches off), run forward and backward
+    (of the mean square) on x: (output, x's gradient, the parameters' gradients,
+    forward calls, backward calls), each call of instance_norm_cuda::forward or
+    ::backward in the compiled graphs given as (activation code, has residual)."""
+    forward_op, backward_op = torch.ops.instance_norm_cuda.forward.default, torch.ops.instance_norm_cuda.backward.default
+    calls = {forward_op: [], backward_op: []}
+
+    def record(graph):
+        for node in graph.nodes:
+            if node.target in calls:
+                activation, residual = (4, 6) if node.target is forward_op else (5, 7)
+                calls[node.target].append((node.args[activation], node.args[residual] is not None))
+
+    torch._dynamo.reset()
+    x = x.clone().requires_grad_()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
+        out = torch.compile(model, fullgraph=True)(x)
+        out.float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out, x.grad, grads, sorted(calls[forward_op]), sorted(calls[backward_op])
+
+
+def eager_gradients(model, x):
+    x = x.clone().requires_grad_()
+    out = model(x)
+    out.float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out, x.grad, grads
+
+
+class ResidualBlock(torch.nn.Module):
+    """F.relu(norm1(x)), then norm2(...) + x: what the fast-neural-style net does."""
+
+    def __init__(self, solution, channels):
+        super().__init__()
+        self.norm1 = solution.InstanceNorm2d(channels, affine=True)
+        self.norm2 = solution.InstanceNorm2d(channels, affine=True)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_()
+
+    def forward(self, x):
+        return self.norm2(F.relu(self.norm1(x)) * 2) + x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compile_folds_activation_and_residual_forward_and_backward(solution, dtype):
+    """Under torch.compile the ReLU and the residual add after our norms run inside
+    their kernels, forward and backward, with eager's results."""
+    torch.manual_seed(10)
+    model = ResidualBlock(solution, 8).cuda()
+    x = torch.randn(2, 8, 32, 32, device="cuda", dtype=dtype)
+    out, grad_x, grads, forwards, backwards = compiled_with_epilogues(model.to(dtype), x)
+    assert forwards == [(0, True), (RELU, False)]
+    assert sorted(activation for activation, _ in backwards) == [0, RELU]
+    expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
+    tolerance = GRAD_TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected_out, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(grad_x, expected_grad_x, atol=tolerance, rtol=tolerance)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected, atol=tolerance, rtol=tolerance)
+
+
+# net: (input, the compiled forward's calls: (activation code, has residual) -> count)
+NET_FOLDS = {"transformer": ((1, 3, 64, 64), {(RELU, False): 10, (0, True): 5}),
+             "cyclegan": ((1, 3, 64, 64), {(RELU, False): 14, (0, True): 9}),
+             "unet3d": ((1, 1, 32, 32, 32), {(LEAKY_RELU, False): 18})}
+
+
+@pytest.mark.parametrize("net", sorted(NET_FOLDS))
+def test_compile_folds_the_nets_epilogues(solution, nets, net):
+    """Each real-network benchmark net with our norms, compiled: every activation and
+    residual add after a norm folded into it (the transformer net's F.relu too), and
+    the same output and gradients as eager (relative to their norms)."""
+    shape, folds = NET_FOLDS[net]
+    model = nets.build(net, "ours")
+    # TF32 convolutions would differ between the eager and compiled convolution algorithms.
+    torch.backends.cudnn.allow_tf32, saved = False, torch.backends.cudnn.allow_tf32
+    torch.manual_seed(11)
+    x = torch.randn(shape, device="cuda")
+    out, grad_x, grads, forwards, _ = compiled_with_epilogues(model, x)
+    assert {call: forwards.count(call) for call in set(forwards)} == folds
+    expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
+    for result, expected in zip((out, grad_x, *grads), (expected_out, expected_grad_x, *expected_grads)):
+        assert (result - expected).norm() <= 1e-3 * expected.norm() + 1e-6
+    torch.backends.cudnn.allow_tf32 = saved
+
+
 def test_residual_view_at_an_odd_offset(solution):
     """A residual the kernels cannot read in 16-byte vectors (a view one element into
     its storage) gives the composition's output and gradients: the ops copy it."""
