@@ -3,6 +3,7 @@
     python benchmarks/nets.py [--nets transformer,cyclegan,unet3d] [--modes fp32,bf16,compile]
                               [--steps 10] [--rounds 3] [--warmup 3] [--host-calls 100] [--no-host] [--json PATH]
     python benchmarks/nets.py --profile
+    python benchmarks/nets.py --kernels [--nets ...] [--modes ...]
 
 Three networks, written from their published designs:
 - transformer: the fast-neural-style transformer net (Johnson et al. 2016): reflection
@@ -346,6 +347,20 @@ def profile_layer(calls):
         print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def kernel_tables(nets, mode, steps=3):
+    """The profiler's table of GPU kernels (CUDA time) over `steps` training steps of
+    each net in `mode`, PyTorch's norms against ours: where the GPU time of the norm
+    cost goes (under compile, which kernels inductor made around each norm)."""
+    for net in nets:
+        for variant in ("pytorch", "ours"):
+            step = make_step(net, variant, mode)
+            step_times_ms(step, 3)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+                step_times_ms(step, steps)
+            print(f"\n{net} {variant} {mode}: kernels of {steps} steps")
+            print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+
+
 def host_breakdown(calls):
     """Host us per call of the pieces of one layer (the first host layer, fp32):
     what the module, the front, autograd and the kernel launch each add, against
@@ -409,6 +424,7 @@ def main():
     parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
     parser.add_argument("--profile", action="store_true", help="only print the host time of the pieces of one layer and the profiler's table of a chain of layers")
+    parser.add_argument("--kernels", action="store_true", help="only print the profiler's GPU kernel table of a few steps of each net in each mode, PyTorch's norms and ours")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     nets, modes = args.nets.split(","), args.modes.split(",")
@@ -423,6 +439,10 @@ def main():
     if args.profile:
         host_breakdown(args.host_calls)
         profile_layer(5)
+        return 0
+    if args.kernels:
+        for mode in modes:
+            kernel_tables(nets, mode)
         return 0
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
