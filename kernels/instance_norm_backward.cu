@@ -547,9 +547,11 @@ constexpr int kDyRingSlots = 3;
 // Needs resident_variant's shared bytes of dynamic shared memory, spatial %
 // Storage<T>::kPerVector == 0, 16-byte aligned x, dy and dx, and a team size the
 // device can run (the launcher checks).
-// EPILOGUE: compiled with the activation's derivative (the kernels of problems with
-// one); without it the plain kernels keep their own code and registers.
-template <typename T, int THREADS, int VALUES_PER_THREAD, bool EPILOGUE, typename Team>
+// ACTIVATION: the epilogue's activation, whose derivative is compiled in (kNone: the
+// plain kernels, with their own code and registers). One kernel per activation, not
+// a run-time switch per vector: with the switch, the derivative's kernels took 3x
+// the plain one's time (docs/perf-notes.md #100).
+template <typename T, int THREADS, int VALUES_PER_THREAD, Activation ACTIVATION, typename Team>
 __device__ __forceinline__ void backward_resident(const BackwardProblem& p, const Team& team) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = Storage<T>;
@@ -657,7 +659,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     const float weight = channel_weight(p, slice % p.num_channels);
     // With an activation (no residual on this path): dy through its derivative, the
     // map rebuilt at each use (its bias read from L1) so no registers are held.
-    const bool epilogue = EPILOGUE && p.epilogue.activation != Activation::kNone;
+    constexpr bool kEpilogue = ACTIVATION != Activation::kNone;
 
     uint4 x_raw[kVecs];
     wait_mbarrier_phase(&x_full, static_cast<unsigned>(round) & 1u);
@@ -681,14 +683,10 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
           float xv[kPer], dyv[kPer];
           S::unpack(x_raw[b + j], xv);
           S::unpack(dy_raw[j], dyv);
-          if (EPILOGUE && epilogue) {
+          if constexpr (kEpilogue) {
             const PreActivation map = pre_activation(p, mean, rstd, weight, slice % p.num_channels);
-            with_activation(p.epilogue.activation, [&](auto a) {
 #pragma unroll
-              for (int k = 0; k < kPer; ++k) {
-                dyv[k] = through_epilogue<decltype(a)::value>(p.epilogue, map, xv[k], dyv[k], 0.f);
-              }
-            });
+            for (int k = 0; k < kPer; ++k) dyv[k] = through_epilogue<ACTIVATION>(p.epilogue, map, xv[k], dyv[k], 0.f);
           }
 #pragma unroll
           for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
@@ -717,14 +715,10 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
         float xv[kPer], dyv[kPer], out[kPer];
         S::unpack(x_raw[b + j], xv);
         S::unpack(dy_raw[j], dyv);
-        if (EPILOGUE && epilogue) {
+        if constexpr (kEpilogue) {
           const PreActivation map = pre_activation(p, mean, rstd, weight, slice % p.num_channels);
-          with_activation(p.epilogue.activation, [&](auto a) {
 #pragma unroll
-            for (int k = 0; k < kPer; ++k) {
-              dyv[k] = through_epilogue<decltype(a)::value>(p.epilogue, map, xv[k], dyv[k], 0.f);
-            }
-          });
+          for (int k = 0; k < kPer; ++k) dyv[k] = through_epilogue<ACTIVATION>(p.epilogue, map, xv[k], dyv[k], 0.f);
         }
 #pragma unroll
         for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
@@ -739,23 +733,23 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
 }
 
 // Built for sm_80 the body is empty; the launcher runs these kernels on sm_90+ only.
-template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, bool EPILOGUE>
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, Activation ACTIVATION>
 __global__ void __launch_bounds__(THREADS, 1) backward_resident_kernel(const BackwardProblem p) {
   with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
-                  [&](const auto& team) { backward_resident<T, THREADS, VALUES_PER_THREAD, EPILOGUE>(p, team); });
+                  [&](const auto& team) { backward_resident<T, THREADS, VALUES_PER_THREAD, ACTIVATION>(p, team); });
 }
 
 // Each CTA holds cta_capacity values of x; shared_bytes: the staged next slice's x
 // and the dy ring.
-template <typename T, int THREADS, int VALUES, bool EPILOGUE>
+template <typename T, int THREADS, int VALUES, Activation ACTIVATION>
 constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
           THREADS * VALUES * static_cast<int>(sizeof(T)) + kDyRingSlots * kDyBatch * THREADS * 16,
           static_cast<int>(sizeof(float2)),
-          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, EPILOGUE>,
-          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, EPILOGUE>,
+          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, ACTIVATION>,
+          backward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, ACTIVATION>,
           true};
 }
 
@@ -764,18 +758,23 @@ constexpr ResidentVariant<BackwardProblem> resident_variant(DType dtype) {
 // memory. float32 512 x 64: a 512 x 512 slice takes a cluster of 8; the 16-bit
 // variants hold 128 values of x in the same registers, so a 512 x 512 slice takes a
 // cluster of 4.
-template <bool EPILOGUE>
+template <Activation ACTIVATION>
 constexpr ResidentVariant<BackwardProblem> kResidentVariants[] = {
-    resident_variant<float, 512, 64, EPILOGUE>(DType::kFloat32),
-    resident_variant<__half, 512, 128, EPILOGUE>(DType::kFloat16),
-    resident_variant<__nv_bfloat16, 512, 128, EPILOGUE>(DType::kBFloat16),
+    resident_variant<float, 512, 64, ACTIVATION>(DType::kFloat32),
+    resident_variant<__half, 512, 128, ACTIVATION>(DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 128, ACTIVATION>(DType::kBFloat16),
 };
 
-// The resident variant of p's dtype, with the activation's derivative compiled in
-// where p has an activation.
+// The resident variant of p's dtype and activation.
 const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProblem& p) {
-  return p.epilogue.activation != Activation::kNone ? variant_for(kResidentVariants<true>, p.dtype)
-                                                     : variant_for(kResidentVariants<false>, p.dtype);
+  switch (p.epilogue.activation) {
+    case Activation::kRelu: return variant_for(kResidentVariants<Activation::kRelu>, p.dtype);
+    case Activation::kLeakyRelu: return variant_for(kResidentVariants<Activation::kLeakyRelu>, p.dtype);
+    case Activation::kSilu: return variant_for(kResidentVariants<Activation::kSilu>, p.dtype);
+    case Activation::kGelu: return variant_for(kResidentVariants<Activation::kGelu>, p.dtype);
+    case Activation::kGeluTanh: return variant_for(kResidentVariants<Activation::kGeluTanh>, p.dtype);
+    default: return variant_for(kResidentVariants<Activation::kNone>, p.dtype);
+  }
 }
 
 // The resident kernels loop over slices with a block reduction and a team barrier
