@@ -50,6 +50,18 @@ _KERNEL_SOURCES = None
 _STALE_LOCK_SECONDS = 300
 # Compiled for when no GPU is visible at build time (CI): Hopper.
 _FALLBACK_CAPABILITIES = ((9, 0),)
+# Test mode, for testing only: INSTANCE_NORM_EMULATE=a100 or l40s builds the kernels
+# as compute_80 PTX (the driver compiles it for the GPU at hand; no code differs
+# between sm_80, sm_86 and sm_89) and makes the path choice see that GPU's compute
+# capability, shared memory per CTA and per SM and threads per SM (CUDA C++
+# Programming Guide, "Technical Specifications per Compute Capability"), so a Hopper
+# GPU runs the paths that GPU would run, in the same kernels. The SM count stays
+# the real one; times are not that GPU's.
+_EMULATED_DEVICES = {
+    "a100": {"capability": (8, 0), "shared_per_cta": 163 * 1024, "shared_per_sm": 164 * 1024, "threads_per_sm": 2048},
+    "l40s": {"capability": (8, 9), "shared_per_cta": 99 * 1024, "shared_per_sm": 100 * 1024, "threads_per_sm": 1536},
+}
+_EMULATED_PTX = "-gencode=arch=compute_80,code=compute_80"
 _NVCC_FLAGS = ("-O3",)
 
 
@@ -96,10 +108,23 @@ def _gencode(capability):
     return f"-gencode=arch=compute_{arch},code=sm_{arch}"
 
 
+def emulated_device():
+    """The GPU INSTANCE_NORM_EMULATE names (an entry of _EMULATED_DEVICES), or None
+    when it is unset or empty. Raises ValueError for another value."""
+    name = os.environ.get("INSTANCE_NORM_EMULATE", "")
+    if name and name not in _EMULATED_DEVICES:
+        raise ValueError(f"instance_norm: INSTANCE_NORM_EMULATE must be empty or one of {sorted(_EMULATED_DEVICES)}, "
+                         f"got {name!r}")
+    return _EMULATED_DEVICES.get(name)
+
+
 def _arch_flags():
     """-gencode flags for every visible GPU, whatever TORCH_CUDA_ARCH_LIST says
     (load_inline adds no arch flags of its own once one is given); for
-    _FALLBACK_CAPABILITIES when no GPU is visible."""
+    _FALLBACK_CAPABILITIES when no GPU is visible; compute_80 PTX alone when a
+    device is emulated."""
+    if emulated_device() is not None:
+        return [_EMULATED_PTX]
     if torch.cuda.is_available():
         capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     else:
@@ -214,6 +239,10 @@ if __name__ == "__main__":
     _command_line()
 
 _EXT = _load_extension(_read_sources())
+_EMULATED = emulated_device()
+if _EMULATED is not None:
+    _EXT.emulate_device(_EMULATED["capability"][0], _EMULATED["shared_per_cta"], _EMULATED["shared_per_sm"],
+                        _EMULATED["threads_per_sm"])
 
 
 def _register_fake(name):

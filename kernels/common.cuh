@@ -782,6 +782,36 @@ int cached_occupancy(const void* kernel, int tag, Query query) {
   return value;
 }
 
+// The emulated device's limits (emulate_device in instance_norm.h), if any: one
+// object shared by every translation unit of the extension (an inline function's
+// static).
+struct EmulationState {
+  bool active = false;
+  EmulatedDevice device{};
+};
+inline EmulationState& emulation() {
+  static EmulationState state;
+  return state;
+}
+
+// Shared memory the CUDA runtime reserves per CTA on sm_80 and later (CUDA C++
+// Programming Guide, "Shared Memory" of compute capability 8.x).
+constexpr int kReservedSharedPerCta = 1024;
+
+// `per_sm` CTAs of `kernel` (threads, dynamic shared bytes), the current device's
+// answer, capped at what the emulated device would hold; `per_sm` itself when no
+// device is emulated.
+inline int emulated_ctas_per_sm(const void* kernel, int threads, int shared_bytes, int per_sm) {
+  const EmulationState& emulated = emulation();
+  cudaFuncAttributes attributes;
+  if (!emulated.active || per_sm == 0) return per_sm;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) return 0;
+  const int cta_shared = shared_bytes + static_cast<int>(attributes.sharedSizeBytes);
+  if (cta_shared > emulated.device.shared_per_cta) return 0;
+  return std::min({per_sm, emulated.device.shared_per_sm / (cta_shared + kReservedSharedPerCta),
+                   emulated.device.threads_per_sm / threads});
+}
+
 // How many CTAs of `kernel` (threads, dynamic shared bytes) one SM of the current
 // device holds at once; 0 where a CTA cannot have that much shared memory. Raises
 // the kernel's dynamic shared-memory limit to the most the device allows beside its
@@ -802,7 +832,7 @@ inline int ctas_per_sm(const void* kernel, int threads, int shared_bytes) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
       per_sm = 0;
     }
-    return per_sm;
+    return emulated_ctas_per_sm(kernel, threads, shared_bytes, per_sm);
   });
 }
 
@@ -821,9 +851,11 @@ inline int current_sm_count() {
   return sms;
 }
 
-// Whether `device` is sm_90 or newer (clusters, bulk copies).
+// Whether `device` is sm_90 or newer (clusters, bulk copies); the emulated device's
+// capability where one is emulated.
 inline bool is_sm90_or_newer(int device) {
   int major = 0;
+  if (emulation().active) return emulation().device.major >= 9;
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
 }
 
@@ -862,7 +894,7 @@ inline int max_resident_ctas(const void* kernel, int threads, int shared_bytes, 
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
       per_sm = 0;
     }
-    return per_sm * sms;
+    return emulated_ctas_per_sm(kernel, threads, shared_bytes, per_sm) * sms;
   });
 }
 

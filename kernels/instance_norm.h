@@ -211,4 +211,18 @@ bool backward_path_supported(BackwardPath path, const BackwardProblem& problem);
 size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath path);
 cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStream_t stream);
 
+// Testing only: another GPU's limits in place of the current device's, for every
+// query the path choice makes (compute capability, shared memory per CTA and per
+// SM, threads per SM; the SM count stays the device's). With the kernels built as
+// compute_80 PTX, an H200 then runs exactly the paths that GPU would run
+// (solution.py's INSTANCE_NORM_EMULATE). Call before the first launch: the queries
+// are cached.
+struct EmulatedDevice {
+  int major;           // compute capability major (9 and up: clusters, bulk copies)
+  int shared_per_cta;  // bytes of shared memory a CTA may opt in to
+  int shared_per_sm;   // bytes of shared memory per SM
+  int threads_per_sm;  // resident threads per SM
+};
+void emulate_device(const EmulatedDevice& device);
+
 }  // namespace instance_norm

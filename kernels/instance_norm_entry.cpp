@@ -973,4 +973,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }
   m.attr("forward_paths") = forward_paths;
   m.attr("backward_paths") = backward_paths;
+  m.def(
+      "emulate_device",
+      [](int major, int shared_per_cta, int shared_per_sm, int threads_per_sm) {
+        instance_norm::emulate_device({major, shared_per_cta, shared_per_sm, threads_per_sm});
+      },
+      "Testing only: choose paths as on a GPU of this compute capability major and these limits (bytes of shared "
+      "memory per CTA and per SM, threads per SM); call before the first launch (kernels/instance_norm.h)",
+      py::arg("major"), py::arg("shared_per_cta"), py::arg("shared_per_sm"), py::arg("threads_per_sm"));
 }

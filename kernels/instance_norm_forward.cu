@@ -755,4 +755,9 @@ cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_
   }
 }
 
+void emulate_device(const EmulatedDevice& device) {
+  emulation().device = device;
+  emulation().active = true;
+}
+
 }  // namespace instance_norm

@@ -253,6 +253,7 @@ def test_loaded_extension_is_named_by_its_sources(solution):
 def test_arch_flags(solution, monkeypatch):
     assert solution._gencode((9, 0)) == "-gencode=arch=compute_90a,code=sm_90a"
     assert solution._gencode((8, 6)) == "-gencode=arch=compute_86,code=sm_86"
+    monkeypatch.delenv("INSTANCE_NORM_EMULATE", raising=False)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5")
     flags = solution._arch_flags()
     if torch.cuda.is_available():
@@ -260,3 +261,18 @@ def test_arch_flags(solution, monkeypatch):
         assert set(flags) == present
     else:
         assert flags == [solution._gencode(c) for c in solution._FALLBACK_CAPABILITIES]
+
+
+def test_emulated_device_builds_compute_80_ptx_and_names_bad_values(solution, monkeypatch):
+    """INSTANCE_NORM_EMULATE (testing only): compute_80 PTX whatever GPU is visible,
+    that GPU's limits for the path choice, and a ValueError naming the variable."""
+    for name, capability, shared_per_cta in (("a100", (8, 0), 163 * 1024), ("l40s", (8, 9), 99 * 1024)):
+        monkeypatch.setenv("INSTANCE_NORM_EMULATE", name)
+        assert solution._arch_flags() == ["-gencode=arch=compute_80,code=compute_80"]
+        emulated = solution.emulated_device()
+        assert (emulated["capability"], emulated["shared_per_cta"]) == (capability, shared_per_cta)
+    monkeypatch.setenv("INSTANCE_NORM_EMULATE", "h100")
+    with pytest.raises(ValueError, match=r"INSTANCE_NORM_EMULATE must be empty or one of \['a100', 'l40s'\], got 'h100'"):
+        solution._arch_flags()
+    monkeypatch.setenv("INSTANCE_NORM_EMULATE", "")
+    assert solution.emulated_device() is None

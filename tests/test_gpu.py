@@ -49,31 +49,45 @@ CTA_CAPACITY = {torch.float32: 512 * 64, torch.float16: 512 * 128, torch.bfloat1
 PIPELINED_CTA_CAPACITY = {torch.float32: 512 * 32, torch.float16: 512 * 64, torch.bfloat16: 512 * 64}
 
 
-def block_fits(spatial, dtype):
+def block_fits(solution, spatial, dtype):
     """Whether a block-path CTA fits one SM: the slice's copy in shared memory (rounded
     up to 16 bytes) and the kernel's static shared memory (under 256 bytes) within one
     CTA's opt-in limit. Test shapes keep clear of that limit."""
     slice_bytes = -(-spatial * torch.finfo(dtype).bits // 8 // 16) * 16
-    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    optin = shared_per_cta(solution)
     assert not slice_bytes <= optin < slice_bytes + 256, f"spatial {spatial} is too close to the block path's limit"
     return slice_bytes <= optin
 
 
-def expected_paths(shape, dtype):
-    """The forward paths that can run a contiguous, aligned input of this shape on a Hopper GPU."""
+def shared_per_cta(solution):
+    """Shared memory a CTA may opt in to, as the path choice sees it (an emulated GPU's)."""
+    emulated = solution.emulated_device()
+    return emulated["shared_per_cta"] if emulated else torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+
+
+def hopper(solution):
+    """Whether the path choice sees a Hopper GPU (clusters, bulk copies): not when a GPU is emulated."""
+    return solution.emulated_device() is None and torch.cuda.get_device_capability(0) >= (9, 0)
+
+
+def expected_paths(solution, shape, dtype):
+    """The forward paths that can run a contiguous, aligned input of this shape: on a
+    Hopper GPU, or on the GPU INSTANCE_NORM_EMULATE names (no clusters, no pipelined
+    path; a cooperative team where its CTA's staged copy fits)."""
     spatial = math.prod(shape[2:])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     paths = {SPLIT}
     if spatial <= WARP_MAX:
         paths.add(WARP)
     if spatial % (4 if dtype == torch.float32 else 8) == 0:
         ctas = -(-spatial // CTA_CAPACITY[dtype])
-        if ctas <= 16:
+        if ctas <= 16 and hopper(solution):
             paths.add(CLUSTER)
-        if ctas <= torch.cuda.get_device_properties(0).multi_processor_count:
+        if ctas <= sms and CTA_CAPACITY[dtype] * torch.finfo(dtype).bits // 8 < shared_per_cta(solution):
             paths.add(COOPERATIVE)
-        if -(-spatial // PIPELINED_CTA_CAPACITY[dtype]) <= torch.cuda.get_device_properties(0).multi_processor_count:
+        if -(-spatial // PIPELINED_CTA_CAPACITY[dtype]) <= sms and hopper(solution):
             paths.add(PIPELINED)
-    if block_fits(spatial, dtype):
+    if block_fits(solution, spatial, dtype):
         paths.add(BLOCK)
     return paths
 
@@ -103,7 +117,7 @@ def shape_id(shape):
 def test_every_path_matches_float64(solution, shape, dtype):
     torch.manual_seed(hash(shape) % 2**31)
     x = (torch.randn(shape, device="cuda") * 3 + 1).to(dtype)
-    check_paths(solution, x, expect_paths=expected_paths(shape, dtype))
+    check_paths(solution, x, expect_paths=expected_paths(solution, shape, dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -127,12 +141,12 @@ CHANNELS_LAST_SHAPES = [(8, 256, 56, 56), (2, 3, 7, 7), (2, 40, 9, 9), (3, 64, 1
                         (2, 8, 300, 300), (2, 24, 84, 84)]
 
 
-def channels_last_block_fits(shape, dtype):
+def channels_last_block_fits(solution, shape, dtype):
     """Whether the block path reads this channels-last shape: whole 16-byte vectors
     of channels, and a tile of 32 bytes per position plus the kernel's static shared
     memory (at most 1,088 bytes) within one CTA's shared memory."""
     tile_bytes = 32 * math.prod(shape[2:])
-    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    optin = shared_per_cta(solution)
     assert not tile_bytes <= optin < tile_bytes + 1088, f"{shape} is too close to the block path's limit"
     return shape[1] % (4 if dtype == torch.float32 else 8) == 0 and tile_bytes <= optin
 
@@ -145,7 +159,7 @@ def test_channels_last_is_read_in_place(solution, shape, dtype):
     assert not x.is_contiguous()
     weight = torch.randn(shape[1], device="cuda")
     bias = torch.randn(shape[1], device="cuda")
-    expected = [BLOCK, SPLIT] if channels_last_block_fits(shape, dtype) else [SPLIT]
+    expected = [BLOCK, SPLIT] if channels_last_block_fits(solution, shape, dtype) else [SPLIT]
     assert check_paths(solution, x, weight, bias) == expected
     if x.dim() == 4:
         out = solution.InstanceNorm2d(shape[1])(x)

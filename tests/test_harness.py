@@ -74,6 +74,8 @@ def test_bundle_passes_kernelbench_protocol(bundle_source, dtype, tolerance, mon
 def test_build_with_no_gpu_visible_and_another_arch_list_runs_on_the_gpu(solution, tmp_path):
     """Built with CUDA_VISIBLE_DEVICES hiding the GPU and TORCH_CUDA_ARCH_LIST naming another
     GPU (sm_90a fallback), then loaded with the GPU visible: same build, correct output."""
+    if os.environ.get("INSTANCE_NORM_EMULATE"):
+        pytest.skip("tests the no-GPU fallback build for Hopper; an emulated GPU builds compute_80 PTX")
     env = dict(os.environ, INSTANCE_NORM_BUILD_ROOT=str(tmp_path), PYTHONPATH=ROOT)
     hidden = dict(env, CUDA_VISIBLE_DEVICES="", TORCH_CUDA_ARCH_LIST="7.5")
     build = subprocess.run([sys.executable, "-c", "import solution"], env=hidden, cwd=ROOT,

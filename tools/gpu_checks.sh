@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call running the named stages (default: all), logs to $OUT:
+# The named stages (default: all) on a machine with a GPU, logs to $OUT:
 #   build     cold build (timed) and SASS load/store widths
 #   tests     python -m pytest -m gpu, then check.py
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py
@@ -10,11 +10,14 @@
 #   suite     bench.py --suite, forward and --backward
 #   nets      benchmarks/nets.py (the real-network training benchmark; NETS_ARGS adds options)
 #
-#   bash tools/gpu_session.sh [stage ...]
+#   bash tools/gpu_checks.sh [stage ...]
+#
+# INSTANCE_NORM_EMULATE=a100 or l40s (testing only; README, "Pre-Hopper paths") runs the
+# same stages with the kernels built as compute_80 PTX and the path choice of that GPU.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-# Inside the repository's ignored out/, so a warm machine's next call reuses the build.
+# Inside the repository's ignored out/, so a later run on the same machine reuses the build.
 export INSTANCE_NORM_BUILD_ROOT="${INSTANCE_NORM_BUILD_ROOT:-$PWD/out/build}"
 stages="${*:-build tests sanitize bench suite nets}"
 has() { [[ " $stages " == *" $1 "* ]]; }
