@@ -5,6 +5,7 @@ of it, and a plain device copy of the same tensor (the speed limit), in one proc
     python bench.py --suite [--dtypes float32,bfloat16]
     python bench.py --backward [--suite]
     python bench.py [--backward] --activation relu
+    python bench.py --sweep [--quick] [--budget-gb 2] [--compile-mode dynamic] [--plot PATH]
     common: [--runs 30] [--warmup 3] [--no-compile] [--json PATH]
 
 Input: torch.rand of the shape ((N, C, *spatial), 1d to 3d; default the seed shape
@@ -25,9 +26,13 @@ dy, write dx) plus, for forward + backward, the forward's copy.
 --activation NAME adds ours with that activation fused (the layer's activation=)
 against the same module's plain rows and PyTorch's norm followed by the activation
 (checked against it first).
+--sweep times forward and forward + backward over a grid of slice count x slice size
+x dtype x layout x affine against the copy, eager, torch.compile and FlagGems (where
+installed), and reports the worst cells (benchmarks/sweep.py describes it).
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -237,6 +242,12 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--activation", choices=sorted(ACTIVATION_FUNCTIONS),
                         help="also time ours with this activation fused, against PyTorch's norm then it")
+    parser.add_argument("--sweep", action="store_true", help="time the grid of benchmarks/sweep.py instead")
+    parser.add_argument("--quick", action="store_true", help="with --sweep: its QUICK subset of the grid")
+    parser.add_argument("--budget-gb", type=float, default=2.0, help="with --sweep: the largest input, GB (default 2)")
+    parser.add_argument("--compile-mode", choices=("dynamic", "static", "none"), default="dynamic",
+                        help="with --sweep: torch.compile peer with dynamic shapes (default), per cell, or none")
+    parser.add_argument("--plot", metavar="PATH", help="with --sweep: heat maps as a PNG (needs matplotlib)")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     args = parser.parse_args(argv)
     if args.runs < 20:
@@ -246,6 +257,8 @@ def main(argv=None):
         return 2
     import solution  # builds the extension on first use
 
+    if args.sweep:
+        return run_sweep(solution, args)
     if args.suite:
         cases = [(shape, DTYPES[d], cl) for d in args.dtypes.split(",") for shape, cl in SUITE]
     else:
@@ -260,6 +273,22 @@ def main(argv=None):
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"gpu": gpu, "torch": torch.__version__, "runs": args.runs, "backward": args.backward,
                        "results": results}, f, indent=1)
+    return 0
+
+
+def run_sweep(solution, args):
+    """--sweep: benchmarks/sweep.py with this module's timing, checks and options."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks"))
+    import sweep
+
+    flush = torch.empty(FLUSH_BYTES // 4, device="cuda")
+    gpu = torch.cuda.get_device_name()
+    print(f"bench: {gpu}, torch {torch.__version__}, {args.runs} runs after a {FLUSH_BYTES >> 20} MB L2 flush, sweep")
+    results = sweep.main(sys.modules[__name__], solution, args, flush)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"gpu": gpu, "torch": torch.__version__, "runs": args.runs, "compile_mode": args.compile_mode,
+                       "results": results}, f, indent=1, default=str)
     return 0
 
 
