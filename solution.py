@@ -557,7 +557,7 @@ def convert_instance_norm(module, fuse_activations=True):
 # functional, so the rewrite fires only where it cannot change what the graph
 # computes: the norm's output has that one user, the added tensor has the output's
 # shape, dtype and device (no broadcast, no type promotion), and no node between
-# the norm and its user may mutate a tensor. Verified on torch 2.11 and 2.14; before
+# the norm and its user may mutate a tensor or read the running statistics it updates. Verified on torch 2.11 and 2.14; before
 # 2.11 it is not installed. On other graph forms it matches nothing and changes nothing.
 _COMPILE_FUSION = {"enabled": True}
 _FRONT_ARGUMENTS = tuple(argument.name for argument in _instance_norm_op._schema.arguments)
@@ -632,11 +632,14 @@ def _may_mutate(node):
     return (name.endswith("_") and not name.endswith("__")) or (schema is not None and schema.is_mutable)
 
 
-def _nothing_mutated_between(first, last):
-    """Whether no node strictly between FX nodes `first` and `last` may mutate a tensor."""
-    node = first.next
-    while node is not last:
-        if _may_mutate(node):
+def _movable_to(norm, user, arguments):
+    """Whether front call `norm` (its arguments by name) may move to just before FX
+    node `user`: no node strictly between may mutate a tensor (one the norm reads),
+    nor read the running statistics the norm updates."""
+    updated = {arguments["running_mean"], arguments["running_var"]} - {None} if arguments["use_input_stats"] else set()
+    node = norm.next
+    while node is not user:
+        if _may_mutate(node) or updated & set(node.all_input_nodes):
             return False
         node = node.next
     return True
@@ -648,7 +651,7 @@ def _absorb_user(graph, norm, arguments):
     it: an activation when the norm has none, else nothing; a residual add when it has
     neither. Returns the new node, or None."""
     (user,) = norm.users
-    if arguments["activation"] is not None or not _nothing_mutated_between(norm, user):
+    if arguments["activation"] is not None or not _movable_to(norm, user, arguments):
         return None
     activation = _activation_applied(user) if user.args and user.args[0] is norm else None
     if activation is not None:
@@ -691,7 +694,7 @@ def _fuse_epilogues(graph):
 def _fusion_fingerprint():
     """What identifies the rewrite for inductor's cache: its code and whether it is on."""
     functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _static_tensor_type, _may_mutate,
-                 _nothing_mutated_between)
+                 _movable_to)
     code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
     return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
 

@@ -1,6 +1,7 @@
 """CPU tests of the fused epilogues' interface: the functional's CPU and float64
 fallback (the same composition with PyTorch ops), its errors, the modules'
 activation option, and convert_instance_norm on the real-network benchmark's nets."""
+import copy
 import pickle
 
 import pytest
@@ -112,6 +113,14 @@ def _mutating_between(norm):
     return fn
 
 
+def _running_mean_read_between(norm, fused):
+    def fn(x, r):
+        y = fused(x)
+        seen = fused.running_mean * 1
+        return F.relu(y) + seen.sum()
+    return fn
+
+
 def _two_users(norm):
     def fn(x, r):
         y = norm(x)
@@ -136,6 +145,8 @@ FUSION_CASES = {
     "scaled add": (lambda n, f: lambda x, r: torch.add(n(x), r, alpha=2), 0, [(None, 0.01, False)]),
     "mutation in between": (lambda n, f: _mutating_between(n), 0, [(None, 0.01, False)]),
     "other activation": (lambda n, f: lambda x, r: torch.tanh(n(x)), 0, [(None, 0.01, False)]),
+    "running statistics, relu": (lambda n, f: lambda x, r: F.relu(f(x)), 1, [("relu", 0.01, False)]),
+    "running statistics read in between": (lambda n, f: _running_mean_read_between(n, f), 0, [(None, 0.01, False)]),
 }
 
 
@@ -149,8 +160,10 @@ def test_compile_fusion_rewrites_only_what_it_can_fold(solution, case):
     with torch.no_grad():
         norm.weight.normal_(), norm.bias.normal_()
     fused = solution.InstanceNorm2d(3, activation="relu")
+    if case.startswith("running statistics"):  # f: a norm that updates running statistics, no activation
+        fused = solution.InstanceNorm2d(3, track_running_stats=True)
     x, r = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
-    expected = make(norm, fused)(x, r.clone())
+    expected = make(copy.deepcopy(norm), copy.deepcopy(fused))(x, r.clone())  # copies: running statistics
     out, record = captured_and_rewritten(solution, make(norm, fused), x, r.clone())
     assert (record["folded"], record["calls"]) == (folds, calls)
     torch.testing.assert_close(out, expected)
