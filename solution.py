@@ -733,7 +733,7 @@ def _install_compile_fusion():
             return str, (f"instance_norm epilogue fusion {self.uuid()}",)
 
         def uuid(self):
-            # A pass without a uuid makes inductor skip its cache, as it would without ours.
+            # A hook without a uuid makes inductor skip its cache, as it would without ours.
             others = [other.uuid() if hasattr(other, "uuid") else None for other in previous]
             return None if None in others else _fusion_fingerprint() + "".join(map(str, others))
 
