@@ -710,6 +710,22 @@ cudaError_t dispatch_dtype(DType dtype, F f) {
   return cudaErrorInvalidValue;
 }
 
+// Calls f(cuda::std::integral_constant<Activation, a>()) for the run-time activation
+// a (kNone included): one kernel per activation.
+template <typename F>
+cudaError_t dispatch_activation(Activation a, F f) {
+  using cuda::std::integral_constant;
+  switch (a) {
+    case Activation::kNone: return f(integral_constant<Activation, Activation::kNone>());
+    case Activation::kRelu: return f(integral_constant<Activation, Activation::kRelu>());
+    case Activation::kLeakyRelu: return f(integral_constant<Activation, Activation::kLeakyRelu>());
+    case Activation::kSilu: return f(integral_constant<Activation, Activation::kSilu>());
+    case Activation::kGelu: return f(integral_constant<Activation, Activation::kGelu>());
+    case Activation::kGeluTanh: return f(integral_constant<Activation, Activation::kGeluTanh>());
+  }
+  return cudaErrorInvalidValue;
+}
+
 // A grid-stride kernel's CTA count: enough to cover `work` items of `per_cta` each,
 // capped at a launch-legal count that still fills any GPU many times over.
 inline unsigned grid_for(int64_t work, int64_t per_cta) {

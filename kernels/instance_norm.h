@@ -161,8 +161,13 @@ enum class BackwardPath : int {
   // (sm_90+: bulk copies; no cluster-size limit); needs backward_workspace_bytes()
   // of workspace. Chosen for slices larger than a cluster of 8 holds.
   kCooperative = 3,
+  // One CTA per slice, x and dy held in registers (read once), one launch, any GPU.
+  // Contiguous, spatial a multiple of the 16-byte vector, slices of up to 16,384
+  // fp32 or 32,768 fp16/bf16 values, 16-byte aligned x, dy and dx; no residual's
+  // gradient through an activation. Chosen wherever it runs.
+  kBlock = 4,
 };
-constexpr int kNumBackwardPaths = 4;
+constexpr int kNumBackwardPaths = 5;
 
 // Gradient of the forward with the slice's own statistics (use_input_stats=True),
 // after the epilogue's gradient (below),

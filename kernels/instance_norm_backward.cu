@@ -790,6 +790,97 @@ constexpr int64_t kClusterMinSpatial = 4096;
 // (docs/perf-notes.md #41).
 constexpr int64_t kClusterMaxChosenSize = 8;
 
+// ---- block path: one CTA per slice, x and dy held in registers (any GPU) ----
+//
+// Thread t of a CTA of THREADS owns the 16-byte vectors t + i * THREADS, i <
+// kBlockVectorsPerThread, of x and of dy of its CTA's slice. It issues all their
+// loads before the first use, sums dy and dy * (x - mean), the CTA reduces the two
+// sums (cub), and dx comes from the same registers: x and dy read once, dx written
+// once, in one launch. Small CTAs (kBlockSmallThreads) run several to an SM, so one
+// slice's loads overlap another's reduction; the resident paths' one 512-thread CTA
+// per SM takes several latency-bound rounds over a few hundred small slices.
+// Needs whole 16-byte vectors (spatial % Storage<T>::kPerVector == 0) at 16-byte
+// aligned x, dy and dx, and spatial / kPerVector <= THREADS * kBlockVectorsPerThread.
+// The CTAs grid-stride over the slices.
+constexpr int kBlockVectorsPerThread = 8;
+constexpr int kBlockSmallThreads = 128;
+constexpr int kBlockLargeThreads = 512;
+
+// Register cap: 128 per thread for both sizes (four 128-thread CTAs or one
+// 512-thread CTA per SM at least); the 16 vectors take 64 of them.
+template <typename T, int THREADS, Activation ACTIVATION>
+__global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backward_block_kernel(const BackwardProblem p) {
+  using S = Storage<T>;
+  constexpr int kPer = S::kPerVector;
+  constexpr int kVecs = kBlockVectorsPerThread;
+  constexpr bool kEpilogue = ACTIVATION != Activation::kNone;
+  using Reduce = BlockAllReduce<float2, THREADS, SumFloat2>;
+  __shared__ typename Reduce::TempStorage storage;
+
+  const int slice_vecs = static_cast<int>(p.spatial) / kPer;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int valid = min(kVecs, max(0, (slice_vecs - tid + THREADS - 1) / THREADS));
+  const float inv_spatial = 1.f / static_cast<float>(p.spatial);
+  for (int64_t slice = blockIdx.x; slice < p.num_slices(); slice += gridDim.x) {
+    const int64_t first = slice * slice_vecs + tid;
+    const uint4* x = static_cast<const uint4*>(p.x) + first;
+    const uint4* dy = static_cast<const uint4*>(p.dy) + first;
+    uint4 x_raw[kVecs], dy_raw[kVecs];
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (i < valid) {
+        x_raw[i] = __ldg(x + i * THREADS);
+        dy_raw[i] = __ldg(dy + i * THREADS);
+      }
+    }
+    const int64_t channel = slice % p.num_channels;
+    const float mean = __ldg(p.mean + slice), rstd = __ldg(p.rstd + slice), weight = channel_weight(p, channel);
+    const PreActivation map = kEpilogue ? pre_activation(p, mean, rstd, weight, channel) : PreActivation{};
+    // Vector i as floats, dy through the activation's derivative with an epilogue.
+    const auto unpack = [&](int i, float(&xv)[kPer], float(&dyv)[kPer]) {
+      S::unpack(x_raw[i], xv);
+      S::unpack(dy_raw[i], dyv);
+      if constexpr (kEpilogue) {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) dyv[k] = through_epilogue<ACTIVATION>(p.epilogue, map, xv[k], dyv[k], 0.f);
+      }
+    };
+
+    float2 sums = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (i < valid) {
+        float xv[kPer], dyv[kPer];
+        unpack(i, xv, dyv);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+      }
+    }
+    const float2 total = Reduce::allreduce(sums, storage);
+    const float sum_dy_xhat = total.y * rstd;
+    if (tid == 0) {
+      p.sum_dy[slice] = total.x;
+      p.sum_dy_xhat[slice] = sum_dy_xhat;
+    }
+    const DxCoefficients coefficients = dx_coefficients(mean, rstd, weight, total.x, sum_dy_xhat, inv_spatial);
+    uint4* dx = static_cast<uint4*>(p.dx) + first;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (i < valid) {
+        float xv[kPer], dyv[kPer], out[kPer];
+        unpack(i, xv, dyv);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
+        store_streaming(dx + i * THREADS, S::pack(out));
+      }
+    }
+  }
+}
+
+// The block path is chosen for slices of up to this many 16-byte vectors (every
+// slice it holds: 16,384 fp32 or 32,768 16-bit values).
+constexpr int64_t kBlockMaxChosenVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
+
 // ---- host: the choice of path and the launches ----
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -896,19 +987,55 @@ cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
   });
 }
 
-bool resident_supported(TeamKind team, const BackwardProblem& p) {
-  const ResidentVariant<BackwardProblem>& variant = resident_variant_for(p);
-  // A residual's gradient through an activation is written by the generic path only.
+// What the resident and block paths need: contiguous slices of whole 16-byte vectors
+// at 16-byte aligned x, dy and dx, and no residual's gradient through an activation
+// (the generic path alone writes that).
+bool whole_aligned_vectors(const BackwardProblem& p) {
   const bool residual_gradient = p.epilogue.residual != nullptr && p.epilogue.activation != Activation::kNone;
   return !channels_last(p) && !residual_gradient && p.spatial % values_per_vector(p.dtype) == 0 && aligned16(p.x) &&
-         aligned16(p.dy) && aligned16(p.dx) &&
+         aligned16(p.dy) && aligned16(p.dx);
+}
+
+bool resident_supported(TeamKind team, const BackwardProblem& p) {
+  const ResidentVariant<BackwardProblem>& variant = resident_variant_for(p);
+  return whole_aligned_vectors(p) &&
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
+}
+
+int64_t slice_vectors(const BackwardProblem& p) { return p.spatial / values_per_vector(p.dtype); }
+
+bool block_supported(const BackwardProblem& p) {
+  return whole_aligned_vectors(p) && slice_vectors(p) <= int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
+}
+
+// The block path's CTA size: the small CTA where it holds the slice.
+int block_threads(const BackwardProblem& p) {
+  return slice_vectors(p) <= int64_t{kBlockSmallThreads} * kBlockVectorsPerThread ? kBlockSmallThreads
+                                                                                   : kBlockLargeThreads;
+}
+
+cudaError_t launch_block(const BackwardProblem& p, cudaStream_t stream) {
+  const unsigned grid = cta_grid(p.num_slices());
+  const bool small = block_threads(p) == kBlockSmallThreads;
+  return dispatch_dtype(p.dtype, [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    return dispatch_activation(p.epilogue.activation, [&](auto activation_tag) {
+      constexpr Activation kActivation = decltype(activation_tag)::value;
+      if (small) {
+        backward_block_kernel<T, kBlockSmallThreads, kActivation><<<grid, kBlockSmallThreads, 0, stream>>>(p);
+      } else {
+        backward_block_kernel<T, kBlockLargeThreads, kActivation><<<grid, kBlockLargeThreads, 0, stream>>>(p);
+      }
+      return cudaGetLastError();
+    });
+  });
 }
 
 }  // namespace backward_detail
 
 BackwardPath choose_backward_path(const BackwardProblem& problem) {
   using namespace backward_detail;
+  if (block_supported(problem) && slice_vectors(problem) <= kBlockMaxChosenVectors) return BackwardPath::kBlock;
   if (problem.spatial < kClusterMinSpatial) return BackwardPath::kGeneric;
   // Slices a cluster of <= 8 CTAs holds: the cluster path where the GPU has one.
   // Larger ones: a cooperative team.
@@ -926,6 +1053,7 @@ bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) 
     case BackwardPath::kGeneric: return true;
     case BackwardPath::kCluster: return resident_supported(TeamKind::kCluster, problem);
     case BackwardPath::kCooperative: return resident_supported(TeamKind::kCooperative, problem);
+    case BackwardPath::kBlock: return block_supported(problem);
   }
   return false;
 }
@@ -956,6 +1084,7 @@ cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStre
   if (problem.dx == nullptr || !backward_path_supported(path, problem)) return cudaErrorInvalidValue;
   if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
   if (path == BackwardPath::kGeneric) return launch_generic(problem, stream);
+  if (path == BackwardPath::kBlock) return launch_block(problem, stream);
   const ResidentVariant<BackwardProblem>& variant = resident_variant_for(problem);
   return path == BackwardPath::kCluster ? variant.launch_cluster(problem, stream)
                                         : variant.launch_cooperative(problem, stream);

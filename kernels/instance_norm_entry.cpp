@@ -968,7 +968,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (const auto& [name, path] : {std::pair<const char*, instance_norm::BackwardPath>{"auto", instance_norm::BackwardPath::kAuto},
                                    {"generic", instance_norm::BackwardPath::kGeneric},
                                    {"cluster", instance_norm::BackwardPath::kCluster},
-                                   {"cooperative", instance_norm::BackwardPath::kCooperative}}) {
+                                   {"cooperative", instance_norm::BackwardPath::kCooperative},
+                                   {"block", instance_norm::BackwardPath::kBlock}}) {
     backward_paths[name] = static_cast<int>(path);
   }
   m.attr("forward_paths") = forward_paths;

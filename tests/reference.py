@@ -4,8 +4,8 @@ import torch
 # Kernel paths (kernels/instance_norm.h, ForwardPath and BackwardPath).
 BLOCK, CLUSTER, WARP, SPLIT, COOPERATIVE, PIPELINED = 1, 2, 3, 4, 5, 6
 FORWARD_PATHS = (BLOCK, CLUSTER, WARP, SPLIT, COOPERATIVE, PIPELINED)
-BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE = 1, 2, 3
-BACKWARD_PATHS = (BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE)
+BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_BLOCK = 1, 2, 3, 4
+BACKWARD_PATHS = (BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_BLOCK)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Max abs error against float64 allowed per dtype: fp32 arithmetic, or one rounding of
 # the output (|y| up to ~5 for these inputs) to the 16-bit type.

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from reference import (BACKWARD_CLUSTER, BACKWARD_GENERIC, BACKWARD_PATHS, DTYPES, channels_last, float64_reference,
-                       run_poisoned)
+from reference import (BACKWARD_BLOCK, BACKWARD_CLUSTER, BACKWARD_GENERIC, BACKWARD_PATHS, DTYPES, channels_last,
+                       float64_reference, run_poisoned)
 
 pytestmark = pytest.mark.gpu
 # Max abs error of gradients relative to the float64 gradient's largest magnitude.
@@ -249,3 +249,15 @@ def test_frozen_affine_parameters_skip_the_channel_sums(solution):
     assert "aten::sum" not in {event.key for event in profile.key_averages()}
     expected = float64_gradients(x, dy, model.weight, model.bias)[0]
     assert_close_scaled(grad, expected, 1e-4, "dx")
+
+
+@pytest.mark.parametrize("shape, dtype", [((1, 256, 64, 64), torch.bfloat16), ((2, 1280, 16, 16), torch.float32),
+                                          ((4, 128, 128, 128), torch.float32)])
+def test_small_slices_can_take_the_block_path(solution, shape, dtype):
+    """Slices of whole vectors up to 16,384 fp32 / 32,768 16-bit values fit the block
+    path (one CTA per slice); one more vector does not."""
+    x = torch.empty(shape, device="cuda", dtype=dtype)
+    assert BACKWARD_BLOCK in backward_paths(solution, x)
+    per_vector = 16 // x.element_size()
+    too_large = torch.empty(2, 3, 512 * 8 * per_vector + per_vector, device="cuda", dtype=dtype)
+    assert BACKWARD_BLOCK not in backward_paths(solution, too_large)

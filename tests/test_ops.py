@@ -76,13 +76,14 @@ def test_errors_are_raised_while_tracing(solution):
 
 
 def test_path_names_match_the_ids_tests_use(solution):
-    from reference import BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_GENERIC, BLOCK, CLUSTER, COOPERATIVE, \
-        PIPELINED, SPLIT, WARP
+    from reference import BACKWARD_BLOCK, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_GENERIC, BLOCK, CLUSTER, \
+        COOPERATIVE, PIPELINED, SPLIT, WARP
     assert solution._EXT.forward_paths == {"auto": 0, "block": BLOCK, "cluster": CLUSTER, "warp": WARP, "split": SPLIT,
                                            "cooperative": COOPERATIVE, "pipelined": PIPELINED}
     assert solution._EXT.backward_paths == {"auto": 0, "generic": BACKWARD_GENERIC, "cluster": BACKWARD_CLUSTER,
-                                            "cooperative": BACKWARD_COOPERATIVE}
+                                            "cooperative": BACKWARD_COOPERATIVE, "block": BACKWARD_BLOCK}
     assert len(solution._EXT.forward_paths) == solution._EXT.num_forward_paths
+    assert len(solution._EXT.backward_paths) == solution._EXT.num_backward_paths
 
 
 def test_front_traces_with_symbolic_shapes(solution):
