@@ -39,6 +39,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+__all__ = ["ACTIVATIONS", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "ModelNew", "bundle",
+           "convert_instance_norm", "emulated_device", "instance_norm", "set_compile_fusion"]
+
 _HEADER_FILES = ("common.cuh", "instance_norm.h", "pipelined.h", "split.h")
 _CUDA_FILES = ("instance_norm_forward.cu", "instance_norm_pipelined.cu", "instance_norm_split.cu",
                "instance_norm_backward.cu")

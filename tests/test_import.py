@@ -1,7 +1,8 @@
 """CPU tests of the import without a GPU: with INSTANCE_NORM_BUILD unset and no GPU
 visible, importing solution builds nothing, warns once, and the layers run
 PyTorch's ops (solution._front_python) with the results, gradients and errors of
-the extension's front."""
+the extension's front. Also the package instance_norm_cuda (pyproject.toml)."""
+import fnmatch
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from conftest import ROOT
 SOLUTION_PATH = os.path.join(ROOT, "solution.py")
 WARNING = "INSTANCE_NORM_BUILD=1"
 
-# Run in a subprocess with CUDA hidden: import solution and use it.
+# Run in a subprocess with CUDA hidden: import solution and use it, then the package.
 IMPORT_SCRIPT = """
 import json, time, warnings
 start = time.perf_counter()
@@ -33,9 +34,12 @@ with warnings.catch_warnings(record=True) as caught:
     solution.instance_norm(x.detach(), activation="relu", residual=x.detach())
     net = torch.nn.Sequential(torch.nn.InstanceNorm2d(3), torch.nn.ReLU())
     solution.convert_instance_norm(net)(x)
+import instance_norm_cuda
 print(json.dumps({
     "seconds": seconds, "gpu": torch.cuda.is_available(), "built": solution._EXT is not None,
     "warnings": [str(w.message) for w in caught if str(w.message).startswith("instance_norm")],
+    "package": sorted(instance_norm_cuda.__all__), "package_built": instance_norm_cuda.solution._EXT is not None,
+    "package_kernels": instance_norm_cuda.solution._kernels_dir(),
 }))
 """
 
@@ -55,11 +59,32 @@ def test_import_without_gpu_builds_nothing_and_warns_once(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["gpu"] is False, "CUDA_VISIBLE_DEVICES='' should hide every GPU"
-    assert not report["built"]
+    assert not report["built"] and not report["package_built"]
     assert report["seconds"] < 30, f"import took {report['seconds']:.1f} s"
     assert len(report["warnings"]) == 1 and WARNING in report["warnings"][0], report["warnings"]
     assert os.listdir(builds) == [] and os.listdir(extensions) == []
     assert "building CUDA extension" not in result.stderr
+    import solution
+
+    assert set(report["package"]) == {"solution", *solution.__all__}
+    assert os.path.samefile(report["package_kernels"], os.path.join(ROOT, "kernels"))
+
+
+def test_package_links_solution_and_ships_every_kernel():
+    """instance_norm_cuda/ holds links to solution.py and kernels/; pyproject.toml's
+    package data covers every kernel file solution.py reads."""
+    import solution
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    package = os.path.join(ROOT, "instance_norm_cuda")
+    assert os.path.samefile(os.path.join(package, "solution.py"), SOLUTION_PATH)
+    assert os.path.samefile(os.path.join(package, "kernels"), os.path.join(ROOT, "kernels"))
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    patterns = project["tool"]["setuptools"]["package-data"]["instance_norm_cuda"]
+    for name in solution._KERNEL_FILES:
+        assert any(fnmatch.fnmatch(f"kernels/{name}", pattern) for pattern in patterns), name
+    assert project["tool"]["setuptools"]["packages"] == ["instance_norm_cuda"]
 
 
 @pytest.fixture(scope="module")
