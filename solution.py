@@ -1,10 +1,11 @@
 """InstanceNorm for PyTorch on NVIDIA GPUs, from CUDA C++ kernels built at import.
 
-Importing or exec'ing this file reads the CUDA sources in kernels/ (found next to
-this file, in $INSTANCE_NORM_KERNELS, or in ./kernels when exec'd without
-__file__; a single-file bundle made with --bundle carries them in itself),
-builds them once with torch.utils.cpp_extension.load_inline into a private cache
-directory named by a hash of sources, flags and versions, and defines:
+Importing or exec'ing this file where a CUDA GPU is visible (or with
+INSTANCE_NORM_BUILD=1) reads the CUDA sources in kernels/ (found next to this file,
+in $INSTANCE_NORM_KERNELS, or in ./kernels when exec'd without __file__; a
+single-file bundle made with --bundle carries them in itself), builds them once
+with torch.utils.cpp_extension.load_inline into a private cache directory named by
+a hash of sources, flags and versions (a failed build raises), and defines:
 
 - ModelNew: drop-in for PyTorch's nn.InstanceNorm2d (same constructor).
 - InstanceNorm1d, InstanceNorm2d, InstanceNorm3d: drop-ins for PyTorch's.
@@ -18,6 +19,8 @@ update_running_stats) and their autograd are registered in C++ (TORCH_LIBRARY in
 kernels/instance_norm_entry.cpp), their fake kernels here, so eager calls cost one
 call into C++, the backward never enters Python, and torch.compile (fullgraph),
 CUDA graphs and torch.export work. CPU and float64 inputs go to PyTorch's own op.
+Where no GPU is visible and INSTANCE_NORM_BUILD is not 1, the import builds
+nothing and warns once: every input then runs PyTorch's ops (_front_python).
 Every path but the split path reads HBM once: a warp per slice up to 1,024 values,
 a CTA per slice in shared memory up to about 58,000 fp32 / 116,000 16-bit values on
 an H200, and on Hopper larger slices (up to 524,288 fp32 / 1,048,576 16-bit values,
@@ -35,8 +38,9 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.cpp_extension
-from torch.utils.cpp_extension import load_inline
+
+__all__ = ["ACTIVATIONS", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "ModelNew", "bundle",
+           "convert_instance_norm", "emulated_device", "instance_norm", "set_compile_fusion"]
 
 _HEADER_FILES = ("common.cuh", "instance_norm.h", "pipelined.h", "split.h")
 _CUDA_FILES = ("instance_norm_forward.cu", "instance_norm_pipelined.cu", "instance_norm_split.cu",
@@ -135,6 +139,8 @@ def _arch_flags():
 def _extension_name(sources, cuda_flags):
     """Extension (and build directory) name: a hash of everything that changes
     the binary, so a changed source or flag never loads a stale build."""
+    import torch.utils.cpp_extension  # here, not at import: it logs a warning where no CUDA runtime is found
+
     digest = hashlib.sha256()
     toolkit = str(torch.utils.cpp_extension.CUDA_HOME)
     for part in [torch.__version__, str(torch.version.cuda), sys.version, toolkit, *cuda_flags]:
@@ -177,6 +183,8 @@ def _clear_stale_lock(build_dir, library):
 
 def _load_extension(sources):
     """Build (first use only) and import the extension from {file name: source}."""
+    from torch.utils.cpp_extension import load_inline
+
     cuda_flags = [*_NVCC_FLAGS, *_arch_flags()]
     name = _extension_name(sources, cuda_flags)
     build_dir = os.path.join(_build_root(), name)
@@ -235,12 +243,34 @@ def _command_line():
         sys.exit(0)
 
 
+def _build_wanted():
+    """Whether the import builds the extension: a CUDA GPU is visible, or
+    INSTANCE_NORM_BUILD=1 asks for it (empty, unset or 0: only with a GPU).
+    Raises ValueError for another value."""
+    value = os.environ.get("INSTANCE_NORM_BUILD", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"instance_norm: INSTANCE_NORM_BUILD must be empty, 0 or 1, got {value!r}")
+    return value == "1" or torch.cuda.is_available()
+
+
+def _extension_or_none():
+    """The built extension (built on first use; a failed build raises) when
+    _build_wanted(), else None after one warning: no GPU, so nothing is built and
+    the layers and instance_norm run PyTorch's ops (_front_python)."""
+    if _build_wanted():
+        return _load_extension(_read_sources())
+    warnings.warn("instance_norm: no CUDA GPU is visible, so the CUDA extension is not built and every layer and "
+                  "instance_norm runs PyTorch's own ops on CPU (set INSTANCE_NORM_BUILD=1 to build it anyway)",
+                  stacklevel=2)
+    return None
+
+
 if __name__ == "__main__":
     _command_line()
 
-_EXT = _load_extension(_read_sources())
+_EXT = _extension_or_none()
 _EMULATED = emulated_device()
-if _EMULATED is not None:
+if _EXT is not None and _EMULATED is not None:
     _EXT.emulate_device(_EMULATED["capability"][0], _EMULATED["shared_per_cta"], _EMULATED["shared_per_sm"],
                         _EMULATED["threads_per_sm"])
 
@@ -249,11 +279,12 @@ def _register_fake(name):
     """Decorator: `fn` becomes the fake (meta) kernel of instance_norm_cuda::<name>,
     what torch.compile runs on fake tensors for output shapes, dtypes and strides.
     A second exec of this file in one process shares the loaded ops and their
-    fake kernels: a registered one is kept."""
+    fake kernels: a registered one is kept. Without the extension (no ops) it
+    registers nothing."""
     qualname = f"instance_norm_cuda::{name}"
 
     def register(fn):
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
+        if _EXT is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
             torch.library.register_fake(qualname)(fn)
         return fn
 
@@ -289,7 +320,8 @@ def _update_running_stats_fake(running_mean, running_var, input, stats, momentum
     return None
 
 
-_instance_norm_op = torch.ops.instance_norm_cuda.instance_norm.default
+# The front as an op (what torch.compile traces); None without the extension.
+_instance_norm_op = None if _EXT is None else torch.ops.instance_norm_cuda.instance_norm.default
 
 
 # The activation names instance_norm takes (None: no activation), as in torch.nn.functional;
@@ -325,7 +357,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     F.relu(F.instance_norm(x, ...) + r).
 
     CUDA float32, float16 and bfloat16 run the CUDA kernels; CPU and float64
-    inputs run PyTorch's F.instance_norm. Eager calls go to the extension's front
+    inputs, and all inputs when the extension is not built (no GPU visible), run
+    PyTorch's F.instance_norm. Eager calls go to the extension's front
     (kernels/instance_norm_entry.cpp) in one call; under torch.compile the same
     front is the op instance_norm_cuda::instance_norm, which traces into the ops
     forward, backward, forward_eval and update_running_stats. Raises TypeError for a
@@ -353,12 +386,95 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 def _front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation=None,
            negative_slope=0.01, residual=None):
     """The extension's front (validation, dispatch, running-statistics update): one
-    direct call in eager mode; under torch.compile the op, which Dynamo can trace."""
+    direct call in eager mode; under torch.compile the op, which Dynamo can trace.
+    Without the extension, _front_python."""
+    if _EXT is None:
+        return _front_python(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
+                             activation, negative_slope, residual)
     if torch.compiler.is_compiling():
         return _instance_norm_op(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
                                  activation, negative_slope, residual)
     return _EXT.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
                               activation, negative_slope, residual)
+
+
+def _front_python(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation,
+                  negative_slope, residual):
+    """The extension's front for CPU and float64 inputs, in Python, for when the
+    extension is not built: the same checks and errors (_check_front_arguments),
+    then PyTorch's instance_norm (running statistics updated in place as there)
+    and the epilogue act(y + residual) as PyTorch ops, with PyTorch's autograd."""
+    _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual)
+    y = torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, False)
+    return _apply_activation(y if residual is None else y + residual, activation, negative_slope)
+
+
+def _apply_activation(y, activation, negative_slope):
+    """activation (one of ACTIVATIONS, or "none") applied to y as torch.nn.functional defines it."""
+    if activation == "relu":
+        return F.relu(y)
+    if activation == "leaky_relu":
+        return F.leaky_relu(y, negative_slope)
+    if activation == "silu":
+        return F.silu(y)
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    return y
+
+
+def _scalar_type_name(dtype):
+    """dtype's name as the extension's messages print it (C++ ScalarType: torch.int64 is Long)."""
+    return torch.empty(0, dtype=dtype).type()[len("torch."):-len("Tensor")]
+
+
+def _check_channel_tensor(name, value, input):
+    """None, or a floating tensor of C elements on input's device: TypeError, ValueError otherwise."""
+    if value is None:
+        return
+    if not value.is_floating_point():
+        raise TypeError(f"instance_norm: {name} must be a floating-point tensor, got {_scalar_type_name(value.dtype)}")
+    if value.numel() != input.shape[1]:
+        raise ValueError(f"instance_norm: {name} must have C = {input.shape[1]} elements, got {value.numel()}")
+    if value.device != input.device:
+        raise ValueError(f"instance_norm: {name} must be on the input's device {input.device}, got {value.device}")
+
+
+def _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual):
+    """The extension front's checks of its arguments (check_arguments, activation_code
+    and the residual's in kernels/instance_norm_entry.cpp), in its order and with its
+    messages: TypeError for a non-floating input or parameter or a residual of another
+    dtype; ValueError for fewer than 3 dims, a parameter or buffer of the wrong size
+    or device, running_mean without running_var (or the reverse), a single spatial
+    element with use_input_stats, no running statistics without it, an unknown
+    activation, a residual of another shape or device."""
+    if not input.is_floating_point():
+        raise TypeError(f"instance_norm: input must be a floating-point tensor, got {_scalar_type_name(input.dtype)}")
+    if input.dim() < 3:
+        raise ValueError(f"instance_norm: input must have shape (N, C, *spatial), got {input.dim()} dims")
+    for name, value in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                        ("bias", bias)):
+        _check_channel_tensor(name, value, input)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("instance_norm: running_mean and running_var must be given together (both None, or both "
+                         "tensors of C elements)")
+    if use_input_stats and input.shape[2:].numel() == 1:
+        raise ValueError(f"Expected more than 1 spatial element when training, got input size {list(input.shape)}")
+    if not use_input_stats and running_mean is None:
+        raise ValueError("instance_norm: use_input_stats=False needs running_mean and running_var (got None)")
+    if activation is not None and activation not in ACTIVATIONS and activation != "none":
+        raise ValueError("instance_norm: activation must be None, 'relu', 'leaky_relu', 'silu', 'gelu' or "
+                         f"'gelu_tanh', got '{activation}'")
+    if residual is not None and residual.dtype != input.dtype:
+        raise TypeError(f"instance_norm: residual must have the input's dtype {_scalar_type_name(input.dtype)}, "
+                        f"got {_scalar_type_name(residual.dtype)}")
+    if residual is not None and residual.shape != input.shape:
+        raise ValueError(f"instance_norm: residual must have the input's shape {list(input.shape)}, "
+                         f"got {list(residual.shape)}")
+    if residual is not None and residual.device != input.device:
+        raise ValueError(f"instance_norm: residual must be on the input's device {input.device}, "
+                         f"got {residual.device}")
 
 
 # PyTorch's norms take (and print) a `bias` keyword from torch 2.14 on; the repr
@@ -560,10 +676,11 @@ def convert_instance_norm(module, fuse_activations=True):
 # the norm and its user may mutate a tensor or read the running statistics it updates. Verified on torch 2.11 and 2.14; before
 # 2.11 it is not installed. On other graph forms it matches nothing and changes nothing.
 _COMPILE_FUSION = {"enabled": True}
-_FRONT_ARGUMENTS = tuple(argument.name for argument in _instance_norm_op._schema.arguments)
-_FRONT_DEFAULTS = {argument.name: argument.default_value for argument in _instance_norm_op._schema.arguments
-                   if argument.has_default_value()}
-_FRONT_TARGETS = (_instance_norm_op, torch.ops.instance_norm_cuda.instance_norm)
+# Without the extension there is no op to fold into: the rewrite matches nothing.
+_FRONT_SCHEMA = () if _instance_norm_op is None else _instance_norm_op._schema.arguments
+_FRONT_ARGUMENTS = tuple(argument.name for argument in _FRONT_SCHEMA)
+_FRONT_DEFAULTS = {argument.name: argument.default_value for argument in _FRONT_SCHEMA if argument.has_default_value()}
+_FRONT_TARGETS = () if _instance_norm_op is None else (_instance_norm_op, torch.ops.instance_norm_cuda.instance_norm)
 _RELU_TARGETS = (torch.relu, torch.relu_, F.relu, F.relu_)
 _ADD_TARGETS = (operator.add, torch.add)
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,

@@ -1,4 +1,9 @@
-"""Shared fixtures; tests marked `gpu` are skipped where no CUDA GPU is visible (CI)."""
+"""Shared fixtures; tests marked `gpu` are skipped where no CUDA GPU is visible (CI).
+
+The tests need the extension built even without a GPU (the build and ptxas checks,
+the C++ front's CPU fallback), so INSTANCE_NORM_BUILD=1 is set here, before any
+test imports solution; subprocesses inherit it. tests/test_import.py unsets it
+where it tests the import without a build."""
 import importlib.util
 import os
 import sys
@@ -8,6 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+os.environ["INSTANCE_NORM_BUILD"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):
