@@ -877,8 +877,9 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backwar
   }
 }
 
-// The block path is chosen for slices of up to this many 16-byte vectors (every
-// slice it holds: 16,384 fp32 or 32,768 16-bit values).
+// The block path is chosen for every slice it holds (up to 16,384 fp32 or 32,768
+// 16-bit values): it beat the cluster, cooperative and generic paths on every such
+// size timed, 256 to 16,384 values, few slices and many (docs/perf-notes.md #104).
 constexpr int64_t kBlockMaxChosenVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // ---- host: the choice of path and the launches ----
