@@ -6,10 +6,19 @@ BLOCK, CLUSTER, WARP, SPLIT, COOPERATIVE, PIPELINED = 1, 2, 3, 4, 5, 6
 FORWARD_PATHS = (BLOCK, CLUSTER, WARP, SPLIT, COOPERATIVE, PIPELINED)
 BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_BLOCK = 1, 2, 3, 4
 BACKWARD_PATHS = (BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_BLOCK)
+# Paths that need Hopper (sm_90: clusters, bulk copies); other GPUs, and the GPUs
+# INSTANCE_NORM_EMULATE names, run the rest.
+HOPPER_FORWARD_PATHS = (CLUSTER, PIPELINED)
+HOPPER_BACKWARD_PATHS = (BACKWARD_CLUSTER, BACKWARD_COOPERATIVE)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Max abs error against float64 allowed per dtype: fp32 arithmetic, or one rounding of
 # the output (|y| up to ~5 for these inputs) to the 16-bit type.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def hopper(solution):
+    """Whether the path choice sees a Hopper GPU (clusters, bulk copies): not when a GPU is emulated."""
+    return solution.emulated_device() is None and torch.cuda.get_device_capability(0) >= (9, 0)
 
 
 def float64_stats(x):
