@@ -388,6 +388,17 @@ def test_automatic_path_per_size(solution):
     assert chosen(2, 3, 33, 31) == WARP
     assert chosen(2, 3, 45, 45) == BLOCK
     assert chosen(2, 320, 128, 128) == BLOCK
+
+
+def test_automatic_path_per_size_on_hopper(solution):
+    """The choices that follow from an H200's resources (227 KB per CTA, clusters,
+    bulk copies, 132 SMs)."""
+    if not hopper(solution):
+        pytest.skip("these choices follow from a Hopper GPU's resources")
+
+    def chosen(*shape, **kwargs):
+        return solution._EXT.chosen_path(torch.empty(shape, device="cuda", **kwargs))
+
     assert chosen(8, 64, 160, 160) == BLOCK  # 100 KB: two CTAs per SM
     assert chosen(8, 64, 160, 160, dtype=torch.bfloat16) == BLOCK
     assert chosen(8, 64, 224, 224) == BLOCK  # 196 KB: one CTA per SM
