@@ -509,9 +509,9 @@ __device__ __forceinline__ void store_batch(uint4* column, int b, int valid, con
 }
 
 // The dy ring of the resident paths: kDyRingSlots slots of kDyBatch vectors per
-// thread (96 KB for 512 threads), so 12 of a thread's dy vectors are in flight.
-// (112, 64, 512, 512) fp32 backward: 3 x 4 5.77 ms, 6 x 2 6.02, 2 x 4 5.91,
-// 12 x 1 6.92, register batches of 4 (no ring) 6.91 (docs/perf-notes.md #41).
+// thread (96 KB for 512 threads), so 12 of a thread's dy vectors are in flight: the
+// fastest of the ring shapes and register batches tried on the seed shape
+// (docs/perf-notes.md #41).
 constexpr int kDyBatch = 4;
 constexpr int kDyRingSlots = 3;
 
@@ -541,7 +541,7 @@ constexpr int kDyRingSlots = 3;
 // (ncu on fp32 (16, 64, 512, 512), register batches: 2.16 GB read from DRAM for
 // 2.15 GB of x and dy). The x staging is not a per-thread cp.async group because a
 // wait for a later dy group would also wait for it (groups complete in order),
-// holding the first dy read until the next slice's x has arrived (#40: 7.24 ms).
+// holding the first dy read until the next slice's x has arrived (docs/perf-notes.md #40).
 // Registers hold the raw 16-byte vectors of x (unpacked to float when used), so a
 // 16-bit variant holds twice the values of a float32 one in the same registers.
 // Needs resident_variant's shared bytes of dynamic shared memory, spatial %
@@ -783,11 +783,9 @@ const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProbl
 // faster. Forcing kCluster or kCooperative still runs smaller slices. To be measured.
 constexpr int64_t kClusterMinSpatial = 4096;
 // Clusters of more than 8 CTAs are not chosen: when the resident kernels held dy
-// on chip too, fp32 (112, 64, 512, 512) needed 16 and took 9.03 ms against the
-// generic path's 8.75, as 16-CTA clusters did in the forward (docs/perf-notes.md).
-// Not re-measured since dy is read from L2; cooperative teams take those slices:
-// (1, 32, 128, 128, 128) fp32 0.258 ms against the generic path's 0.338
-// (docs/perf-notes.md #41).
+// on chip too, 16-CTA clusters were slower than the generic path, as in the forward
+// (docs/perf-notes.md #14-#24; not re-measured since dy is read from L2); cooperative
+// teams take those slices, faster than the generic path (docs/perf-notes.md #41).
 constexpr int64_t kClusterMaxChosenSize = 8;
 
 // ---- block path: one CTA per slice, x and dy held in registers (any GPU) ----

@@ -99,12 +99,10 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // fewer than 8 values after them), with d = (x - shift) * k (SliceShift) as on the
 // resident paths: the sums of d and d^2 in one sweep, M2 = S2 - S1 * mean_d where
 // shifted_sums_m2_is_accurate (else a sweep for the M2 of d about its mean), and
-// y = d * scale + (bias - mean * scale). On an H200 one sweep for both sums instead of
-// a sweep each (a sweep, a block reduction and about 3 of 7 instructions per value
-// fewer; which of them counts was not separated) took (2, 320, 128, 128) bf16 from
-// 16.3 to 15.8-15.9 us and (8, 64, 160, 160) bf16 from 19.9-20.2 to 17.8-18.0 us,
-// while per-vector Chan merges (one sweep fewer, many more instructions) were 10-45%
-// slower (docs/perf-notes.md #88, #90). 2048 / THREADS CTAs per SM in the launch
+// y = d * scale + (bias - mean * scale). One sweep for both sums rather than one each:
+// a sweep, a block reduction and about 3 of 7 instructions per value fewer, where the
+// sweeps' instructions bind; per-vector Chan merges save a sweep but add more
+// instructions than they save (docs/perf-notes.md #88, #90). 2048 / THREADS CTAs per SM in the launch
 // bounds hold the kernel at 32 registers (without them ptxas takes 40-63 in four of
 // the nine, and fewer 512-thread CTAs than the shared memory allows would fit an SM).
 // Grid-stride over slices, any alignment and GPU.
@@ -207,8 +205,7 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
 // value at position 0 (SliceShift), as on the other paths: the sums of d and d^2 in
 // one sweep, then, where any active channel of the tile fails
 // shifted_sums_m2_is_accurate, a sweep for the M2 about the mean for the whole tile
-// (on an H200 one sweep instead of two took (8, 256, 56, 56) bf16 from 20.5-21.0 to
-// 19.7-20.1 us in 7 rounds and fp32 from 26.1-26.5 to 25.5-25.9 us in 5 of 7,
+// (one sweep for both sums instead of two, as the contiguous block kernel:
 // docs/perf-notes.md #91).
 // Needs num_channels a multiple of the vector (4 fp32 or 8 fp16/bf16 values) and
 // 16-byte aligned x and y.
@@ -538,19 +535,12 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
 // largest that gives each thread at least kBlockVectorsPerThread 16-byte vectors of
 // its slice or tile, so large slices take 512-thread CTAs, up to four per SM; dynamic
 // shared memory for the slice (rounded up to 16 bytes) or the channels-last tile
-// (kChannelsLastTileVectors 16-byte vectors per position). Measured on an H200
-// (docs/perf-notes.md #54, #83-#85), x copy: (32, 256, 64, 64) fp32, 16 KB slices: 128
-// threads 1.05-1.06, 256 (the vectors rule) 1.15; (2, 320, 128, 128) bf16, 32 KB: 128
-// threads 1.06-1.09 (six per SM), 512 1.10-1.12, 256 1.16-1.18; 64 KB fp32 slices
-// (three per SM): 128 threads 1.24-1.29, 512 1.08-1.10. Five per SM is too few: (10,
-// 64, 148, 148) bf16 (43 KB, 640 slices) 128 threads 1.15 against 512's 1.11-1.12; (k,
-// 64, 100, 100) fp32 (39 KB, 512-1,024 slices) 1.08-1.12 against 1.04-1.11 in a sweep
-// (slower in all ten rounds), a tie in another call (1.06-1.09 against 1.07-1.09).
-// Below 4 slices per SM the measurements split: (8, 64, 128, 128) bf16 (512 slices)
-// 128 threads 1.14-1.18 against 512's 1.19-1.22, (8, 64, 90, 90) fp32 (512 slices of
-// 31.6 KB) 1.23-1.24 against 256's 1.17-1.19; at 128-384 slices mostly within the
-// noise.
-// Channels-last tiles keep the vectors rule (not measured).
+// (kChannelsLastTileVectors 16-byte vectors per position). Why: small CTAs, six or
+// more to an SM, keep more slices' loads in flight than a few large ones, and won on
+// every slice size where six fit; at five per SM and below they lost to 512-thread
+// CTAs, and with fewer than four slices per SM the two split by shape
+// (docs/perf-notes.md #54, #83-#85, with the measurements). Channels-last tiles keep
+// the vectors rule (not measured).
 struct BlockLaunch {
   void (*kernel)(const ForwardProblem);
   int threads;
@@ -564,8 +554,7 @@ constexpr int kChannelsLastTileVectors = 2;  // 32-byte rows: 8 fp32 or 16 fp16/
 constexpr int64_t kBlockMaxBytes = 1 << 20;
 // The largest channels-last tile the chooser gives the block path (it runs larger ones
 // when forced). One CTA per SM cannot overlap its tile's load, reductions and store:
-// on an H200 tiles of 7,056 positions (220 KB) took 0.93-1.47x the split path's time
-// (1.47x with four tiles), tiles of 2,304-4,096 positions (72-128 KB) 0.65-0.81x
+// above 128 KB tiles the split path was as fast or faster, below it slower
 // (docs/perf-notes.md #59).
 constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
 
@@ -635,9 +624,9 @@ bool block_fits(const ForwardProblem& p) { return block_input_supported(p) && bl
 // reductions overlap another's reads and writes. Larger ones run one CTA per SM:
 // faster than a cluster of two or more CTAs (and than the split path's two reads),
 // slower than a resident team of one CTA, whose slice sits in registers, where there
-// are more slices than teams (512 128 KB 16-bit slices: 1.41x copy against the
-// one-CTA cluster's 1.30-1.33x), so those keep their team unless the slices fit one
-// round of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes.
+// are more slices than teams (the team stages its next slice while it writes the
+// current one), so those keep their team unless the slices fit one round of teams.
+// Channels-last tiles up to kChannelsLastChosenMaxBytes.
 bool block_preferred(const ForwardProblem& p) {
   const int ctas = block_input_supported(p) ? block_ctas_per_sm(p) : 0;
   if (ctas == 0) return false;
@@ -647,9 +636,7 @@ bool block_preferred(const ForwardProblem& p) {
   if (variant.team_size(p.spatial) > 1) return true;
   // A one-CTA team gains from its later rounds, where its staging of the next slice
   // overlaps the current one; measured, it overtakes one block CTA per SM between 1.45
-  // and 2 rounds, and the rule switches after one (perf notes #60, 121 KB fp32 slices,
-  // block against one-CTA cluster: 128 slices 0.0155 ms vs 0.0176, 192 slices 0.0236
-  // vs 0.0245, 256 slices 0.0271 vs 0.0259).
+  // and 2 rounds, and the rule switches after one (docs/perf-notes.md #60).
   int64_t teams = 0;
   if (resident_supported(TeamKind::kCluster, p)) {
     teams = variant.active_clusters(1);
@@ -662,14 +649,9 @@ bool block_preferred(const ForwardProblem& p) {
 // Where slices exceed a cluster, the pipelined path in fp32 where it keeps at least as
 // many SMs busy as cooperative teams and its teams take kPipelinedMinRounds slices or
 // more (the busiest; the others at most one fewer): its first three rounds only read,
-// its last three only write. On H200s it ran fp32 (1, 32, 128^3), (4, 16, 1024^2) and
-// (8, 8, 1448^2) (32, 32 and 64 rounds) at 1.09-1.18x the copy against the
-// cooperative path's 1.39-1.47x. Fewer rounds, fp32 (1, k, 128^3) (one team of 128
-// CTAs, k rounds) and (2, k, 1024^2) (two teams of 64): 2 rounds 1.71x against 1.61x;
-// 3: 1.56x against 1.80x, and 1.42-1.43x against 1.74-1.75x; 4: 1.49-1.52x against
-// 1.51x, and 1.41x against 1.47x; 5-12: 1.16-1.41x against 1.43-1.67x. So the rule
-// starts at 3. 3d bf16 was slower (1.58x against 1.51x), so 16-bit slices keep the
-// cooperative path (docs/perf-notes.md #75, #80, #81).
+// its last three only write, so it needs enough rounds to amortize them: it led the
+// cooperative path from 3 rounds on and lost at 2. In 16-bit it was slower than the
+// cooperative path, which 16-bit slices keep (docs/perf-notes.md #75, #80, #81).
 constexpr int64_t kPipelinedMinRounds = 3;
 bool pipelined_preferred(const ForwardProblem& p) {
   if (p.dtype != DType::kFloat32 || !resident_supported(TeamKind::kCooperative, p)) return false;

@@ -48,7 +48,8 @@ __host__ __device__ inline size_t counter_bytes(int64_t teams) { return team_cou
 //     through an mbarrier (lane 0 of each data warp reads them and broadcasts them by
 //     shuffles). The data warps need them at the start of round j + kLag, two rounds
 //     after the last CTA publishes: the exchange's latency and the team's spread are
-//     hidden (one warp doing both jobs chained the team at ~6 us a round: #74).
+//     hidden (one warp doing both jobs chained every publish to the previous
+//     collect, so the team ran at the exchange's latency: docs/perf-notes.md #74).
 // So results are bit-identical run to run, and every CTA of a team applies the same
 // mean and rstd. Shared memory: kLag slots of kSlotBytes; slot j % kLag holds slice
 // j - kLag, then slice j, each vector read before it is rewritten by the same thread,
