@@ -803,6 +803,7 @@ constexpr int64_t kClusterMaxChosenSize = 8;
 constexpr int kBlockVectorsPerThread = 8;
 constexpr int kBlockSmallThreads = 128;
 constexpr int kBlockLargeThreads = 512;
+constexpr int64_t kBlockMaxVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // Register cap: 128 per thread for both sizes (four 128-thread CTAs or one
 // 512-thread CTA per SM at least); the 16 vectors take 64 of them.
@@ -874,11 +875,6 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backwar
     }
   }
 }
-
-// The block path is chosen for every slice it holds (up to 16,384 fp32 or 32,768
-// 16-bit values): it beat the cluster, cooperative and generic paths on every such
-// size timed, 256 to 16,384 values, few slices and many (docs/perf-notes.md #104).
-constexpr int64_t kBlockMaxChosenVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // ---- host: the choice of path and the launches ----
 
@@ -1004,7 +1000,7 @@ bool resident_supported(TeamKind team, const BackwardProblem& p) {
 int64_t slice_vectors(const BackwardProblem& p) { return p.spatial / values_per_vector(p.dtype); }
 
 bool block_supported(const BackwardProblem& p) {
-  return whole_aligned_vectors(p) && slice_vectors(p) <= int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
+  return whole_aligned_vectors(p) && slice_vectors(p) <= kBlockMaxVectors;
 }
 
 // The block path's CTA size: the small CTA where it holds the slice.
@@ -1034,7 +1030,10 @@ cudaError_t launch_block(const BackwardProblem& p, cudaStream_t stream) {
 
 BackwardPath choose_backward_path(const BackwardProblem& problem) {
   using namespace backward_detail;
-  if (block_supported(problem) && slice_vectors(problem) <= kBlockMaxChosenVectors) return BackwardPath::kBlock;
+  // Every slice the block path holds (up to 16,384 fp32 or 32,768 16-bit values): it
+  // beat the cluster, cooperative and generic paths on every such size timed, 256 to
+  // 16,384 values, few slices and many (docs/perf-notes.md #104).
+  if (block_supported(problem)) return BackwardPath::kBlock;
   if (problem.spatial < kClusterMinSpatial) return BackwardPath::kGeneric;
   // Slices a cluster of <= 8 CTAs holds: the cluster path where the GPU has one.
   // Larger ones: a cooperative team.
