@@ -126,6 +126,34 @@ def test_affine_matches_float64(solution, dtype, shape):
     check_paths(solution, x, weight=None, bias=bias)
 
 
+# weight and bias of another dtype than x, or strided: the kernels read float32,
+# float16 and bfloat16 parameters as they are and convert each value as they load
+# it; other dtypes and strides go through a float32 copy.
+PARAMETER_CASES = [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16),
+                   (torch.float16, torch.float32), (torch.float32, torch.float64), (torch.bfloat16, "strided")]
+
+
+@pytest.mark.parametrize("dtype, parameter_dtype", PARAMETER_CASES, ids=str)
+@pytest.mark.parametrize("shape, layout", [((2, 16, 64, 64), "contiguous"), ((3, 24, 9, 11), "contiguous"),
+                                           ((2, 16, 20, 20), "channels_last")], ids=str)
+def test_parameters_of_any_float_dtype_match_float64(solution, dtype, parameter_dtype, shape, layout):
+    torch.manual_seed(5)
+    x = torch.randn(shape, device="cuda").to(dtype)
+    if layout == "channels_last":
+        x = channels_last(x)
+    if parameter_dtype == "strided":
+        weight = torch.randn(2 * shape[1], device="cuda").to(dtype)[::2]
+        bias = torch.randn(2 * shape[1], device="cuda").to(dtype)[1::2]
+        assert not weight.is_contiguous()
+    else:
+        weight = torch.randn(shape[1], device="cuda").to(parameter_dtype)
+        bias = torch.randn(shape[1], device="cuda").to(parameter_dtype)
+    weight_before, bias_before = weight.clone(), bias.clone()
+    paths = check_paths(solution, x, weight, bias)
+    assert len(paths) >= 2
+    assert torch.equal(weight, weight_before) and torch.equal(bias, bias_before), "parameters were modified"
+
+
 # Channels-last inputs (torch.channels_last, channels_last_3d, and the 1d order):
 # the block path (tiles of 8 fp32 or 16 16-bit channels; 40 channels end in a
 # partial tile) runs them where num_channels is a multiple of the 16-byte vector and

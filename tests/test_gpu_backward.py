@@ -65,6 +65,35 @@ def test_backward_matches_float64(solution, shape, dtype, layout):
         assert all(torch.equal(a, b) for a, b in zip((dx, dweight, dbias), again)), f"path {path}: not deterministic"
 
 
+@pytest.mark.parametrize("activation", [None, "silu"], ids=str)
+@pytest.mark.parametrize("parameter_dtype", [torch.float16, torch.bfloat16, torch.float64, "strided"], ids=str)
+@pytest.mark.parametrize("shape", [(2, 16, 64, 64), (3, 5, 33, 31)], ids=lambda s: "x".join(map(str, s)))
+def test_backward_with_parameters_of_any_float_dtype(solution, shape, parameter_dtype, activation):
+    """weight and bias of float16, bfloat16, float64 or strided float32 (read as they
+    are, or through a float32 copy) give the float64 gradients on every backward path;
+    with an activation the backward also reads the bias (the pre-activation)."""
+    torch.manual_seed(27)
+    x = torch.randn(shape, device="cuda") * 2 + 1
+    dy = torch.randn(shape, device="cuda")
+    if parameter_dtype == "strided":
+        weight, bias = torch.randn(2 * shape[1], device="cuda")[::2], torch.randn(2 * shape[1], device="cuda")[1::2]
+    else:
+        weight, bias = (torch.randn(shape[1], device="cuda").to(parameter_dtype) for _ in range(2))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, weight, bias))
+    y64 = float64_reference(x64, w64, b64)
+    if activation == "silu":
+        y64 = torch.nn.functional.silu(y64)
+    expected = torch.autograd.grad(y64, (x64, w64), dy.double())
+    _, stats = solution._EXT.forward_with_stats(x, weight, bias)
+    paths = backward_paths(solution, x)
+    assert len(paths) >= 2
+    for path in paths:
+        dx, dweight, _, _ = run_poisoned(
+            lambda: solution._EXT.backward(dy, x, stats, weight, path, bias=bias, activation=activation), x)
+        assert_close_scaled(dx, expected[0], 1e-4, f"path {path} dx")
+        assert_close_scaled(dweight, expected[1], 1e-4, f"path {path} dweight")
+
+
 def test_backward_of_values_near_1e30(solution):
     """The saved statistics of values near 1e30 (mean 1e30, rstd 1e-30) give finite,
     correct gradients on every backward path."""
