@@ -4,8 +4,9 @@
 //      the op instance_norm_cuda::instance_norm under torch.compile). It holds the
 //      one validation of user arguments, sends CPU and float64 inputs to PyTorch's
 //      own op, and otherwise calls the ops below through the dispatcher.
-//   2. Autograd kernels (DispatchKey Autograd): torch::autograd::Function subclasses
-//      around the forward ops, serving eager mode and torch.compile alike.
+//   2. Autograd kernels (DispatchKey Autograd): the forward op's backward node, and
+//      torch::autograd::Function subclasses around the other ops, serving eager mode
+//      and torch.compile alike.
 //   3. CUDA kernels of the ops: allocate outputs and workspace, launch on the
 //      current stream of the input's device.
 //   4. A test interface (pybind11, not ops) that forces kernel paths and queries
@@ -16,6 +17,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -323,58 +326,125 @@ std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// Autograd of forward: only y is differentiable (stats are saved statistics).
-// The backward is not itself differentiable: a double backward raises
-// (BackwardFunction).
-class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
- public:
-  static constexpr bool is_traceable = true;  // compiled autograd traces the backward
+// The pointer type of autograd nodes in this torch version: std::shared_ptr<Node>
+// (torch 2.11) or c10::intrusive_ptr<Node> (later versions).
+using NodePointer = decltype(torch::autograd::Edge::function);
 
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, double eps, int64_t activation,
-                               double negative_slope, const std::optional<at::Tensor>& residual) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, stats] = forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
-    // bias and the residual only where the backward recomputes the pre-activation.
-    const bool pre_activation = activation != 0;
-    ctx->save_for_backward({input, weight.value_or(at::Tensor()), stats,
-                            pre_activation ? bias.value_or(at::Tensor()) : at::Tensor(),
-                            pre_activation ? residual.value_or(at::Tensor()) : at::Tensor()});
-    ctx->saved_data["bias_dtype"] = bias ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1};
-    ctx->saved_data["activation"] = activation;
-    ctx->saved_data["negative_slope"] = negative_slope;
-    ParameterEdges(1, weight, bias, residual).save(ctx);
-    ctx->mark_non_differentiable({stats});
-    // grad_stats is never used: no (2, N * C) zeros are filled for it.
-    ctx->set_materialize_grads(false);
-    return {y, stats};
+template <typename T>
+auto make_node() {
+  if constexpr (std::is_same_v<NodePointer, std::shared_ptr<torch::autograd::Node>>) {
+    // deleteNode (found through T's base) frees long chains of nodes without recursion.
+    return std::shared_ptr<T>(new T(), [](T* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
+// The backward node of the forward op, which gives y (stats are saved statistics,
+// not differentiable): the gradients of input, weight, bias and residual, its four
+// edges in that order (an absent argument's edge is invalid). A Node, as PyTorch's
+// generated backward nodes are, rather than a torch::autograd::Function: the
+// Function's per-call bookkeeping (its context's map of saved values, the inputs'
+// and outputs' metadata) cost more host time than the forward op itself
+// (docs/perf-notes.md #107). The backward is not itself differentiable: a double
+// backward raises (BackwardFunction). Compiled autograd binds gradients() as a
+// function of its graph, as PyTorch's own nodes do.
+class InstanceNormBackward : public torch::autograd::Node {
+ public:
+  torch::autograd::SavedVariable input, weight, stats;
+  // Saved only with an activation, where the backward recomputes the pre-activation.
+  torch::autograd::SavedVariable bias, residual;
+  int64_t activation = 0;
+  double negative_slope = 0.0;
+  int64_t bias_dtype = static_cast<int64_t>(at::kFloat);  // of the bias given, for its gradient
+
+  std::string name() const override { return "InstanceNormBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return gradients(grads, {input.unpack(), weight.unpack(), stats.unpack(), bias.unpack(), residual.unpack(),
+                             activation, negative_slope, bias_dtype, needed_gradients()});
   }
 
-  // One gradient per forward argument: (input, weight, bias, eps, activation,
-  // negative_slope, residual).
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(7);
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &input = saved[0], &weight = saved[1];
-    const ParameterEdges edges(ctx);
-    const bool weight_grad = ParameterEdges::needs(ctx, edges.weight);
-    const bool bias_grad = ParameterEdges::needs(ctx, edges.bias);
-    const bool residual_grad = ParameterEdges::needs(ctx, edges.residual);
-    const int64_t activation = ctx->saved_data["activation"].toInt();
-    const at::Tensor grad_output = like_layout(grads[0], input);
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (torch::autograd::SavedVariable* saved : {&input, &weight, &stats, &bias, &residual}) saved->reset_data();
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    for (const torch::autograd::SavedVariable* saved : {&input, &weight, &stats, &bias, &residual}) {
+      args.collect(*saved, false);
+    }
+    args.collect(activation);
+    args.collect(negative_slope);
+    args.collect(bias_dtype);
+  }
+
+  variable_list apply_with_saved(const variable_list& grads, torch::dynamo::autograd::SwapSavedVariables& saved) override {
+    for (torch::autograd::SavedVariable* variable : {&input, &weight, &stats, &bias, &residual}) saved.before(*variable);
+    const std::vector<c10::IValue> args{input.unpack(), weight.unpack(), stats.unpack(), bias.unpack(),
+                                        residual.unpack(), activation, negative_slope, bias_dtype,
+                                        needed_gradients()};
+    const auto& compiler = torch::dynamo::autograd::getPyCompilerInterface();
+    // Bound once per process, as PyTorch's generated nodes bind theirs: the function
+    // namespace is global and refuses a name twice.
+    static const std::string function = [&] {
+      const at::TypePtr tensor = at::TensorType::get(), integer = at::IntType::get();
+      return compiler->bind_function(saved.get_py_compiler(), name(), &functional,
+                                     {tensor, tensor, tensor, tensor, tensor, integer, at::FloatType::get(), integer,
+                                      integer},
+                                     /*is_custom_function=*/false, /*is_traceable=*/true);
+    }();
+    const c10::IValue output_metadata =
+        torch::dynamo::autograd::IValuePacker<std::vector<std::optional<torch::autograd::InputMetadata>>>::pack(
+            torch::dynamo::autograd::get_input_metadata(next_edges()));
+    variable_list result =
+        compiler->call_function(saved.get_py_compiler(), "apply_functional", function, grads, args, output_metadata);
+    for (torch::autograd::SavedVariable* variable : {&input, &weight, &stats, &bias, &residual}) saved.after(*variable);
+    return result;
+  }
+
+ private:
+  // What the gradients are computed from: the saved tensors (undefined where
+  // absent), the epilogue, and which of the four gradients are needed (bit i for
+  // edge i).
+  struct Saved {
+    at::Tensor input, weight, stats, bias, residual;
+    int64_t activation;
+    double negative_slope;
+    int64_t bias_dtype;
+    int64_t needed;
+
+    bool needs(int edge) const { return (needed >> edge) & 1; }
+  };
+
+  int64_t needed_gradients() const {
+    int64_t needed = 0;
+    for (int edge = 0; edge < 4; ++edge) needed |= int64_t{task_should_compute_output(edge)} << edge;
+    return needed;
+  }
+
+  // The graph compiled autograd builds calls this with args packed as apply_with_saved packs them.
+  static variable_list functional(const variable_list& grads, const std::vector<c10::IValue>& args) {
+    const auto tensor = [&](size_t i) { return args[i].isTensor() ? args[i].toTensor() : at::Tensor(); };
+    return gradients(grads, {tensor(0), tensor(1), tensor(2), tensor(3), tensor(4), args[5].toInt(),
+                             args[6].toDouble(), args[7].toInt(), args[8].toInt()});
+  }
+
+  static variable_list gradients(const variable_list& grads, const Saved& saved) {
+    variable_list out(4);
+    if (!grads[0].defined()) return out;
+    const at::Tensor grad_output = like_layout(grads[0], saved.input);
     // Without a parameter that needs them (none given, or frozen), the kernel skips
     // the per-channel reductions.
-    auto [grad_input, grad_parameters, grad_residual] =
-        backward_op().call(grad_output, input, saved[2], defined_or_none(weight), defined_or_none(saved[3]),
-                           activation, ctx->saved_data["negative_slope"].toDouble(), defined_or_none(saved[4]),
-                           weight_grad || bias_grad);
-    const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
-    variable_list out(7);
-    out[0] = ctx->needs_input_grad(0) ? grad_input : at::Tensor();
-    out[1] = weight_grad ? grad_parameters[0].to(weight.scalar_type()) : at::Tensor();
-    out[2] = bias_grad ? grad_parameters[1].to(static_cast<at::ScalarType>(bias_dtype)) : at::Tensor();
+    auto [grad_input, grad_parameters, grad_residual] = backward_op().call(
+        grad_output, saved.input, saved.stats, defined_or_none(saved.weight), defined_or_none(saved.bias),
+        saved.activation, saved.negative_slope, defined_or_none(saved.residual), saved.needs(1) || saved.needs(2));
+    if (saved.needs(0)) out[0] = grad_input;
+    if (saved.needs(1)) out[1] = grad_parameters[0].to(saved.weight.scalar_type());
+    if (saved.needs(2)) out[2] = grad_parameters[1].to(static_cast<at::ScalarType>(saved.bias_dtype));
     // Without an activation the residual's gradient is dy itself.
-    if (residual_grad) out[6] = activation != 0 ? grad_residual : grad_output;
+    if (saved.needs(3)) out[3] = saved.activation != 0 ? grad_residual : grad_output;
     return out;
   }
 };
@@ -382,12 +452,29 @@ class ForwardFunction : public torch::autograd::Function<ForwardFunction> {
 TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps, int64_t activation,
                             double negative_slope, const std::optional<at::Tensor>& residual) {
-  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
+  TensorPair out;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
+    out = forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
   }
-  const variable_list out = ForwardFunction::apply(input, weight, bias, eps, activation, negative_slope, residual);
-  return {out[0], out[1]};
+  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
+    return out;
+  }
+  TORCH_CHECK(!input._fw_grad(/*level=*/0).defined(), "instance_norm: forward-mode AD is not supported");
+  auto node = make_node<InstanceNormBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
+  node->input = torch::autograd::SavedVariable(input, false);
+  node->weight = torch::autograd::SavedVariable(weight, false);
+  node->stats = torch::autograd::SavedVariable(std::get<1>(out), false);
+  if (activation != 0) {
+    node->bias = torch::autograd::SavedVariable(bias, false);
+    node->residual = torch::autograd::SavedVariable(residual, false);
+  }
+  node->activation = activation;
+  node->negative_slope = negative_slope;
+  if (bias) node->bias_dtype = static_cast<int64_t>(bias->scalar_type());
+  torch::autograd::set_history(std::get<0>(out), node);
+  return out;
 }
 
 // Autograd of the backward op: a plain backward (grad mode off, as the engine runs

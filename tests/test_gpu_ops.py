@@ -15,11 +15,23 @@ def conv_net(norm):
                          nn.Conv2d(16, 16, 3, padding=1), norm(16), nn.ReLU()).cuda()
 
 
-def test_backward_node_is_the_cpp_function(solution):
+def test_backward_node_is_the_cpp_node_and_frees_what_it_saved(solution):
     x = torch.randn(2, 8, 16, 16, device="cuda", requires_grad=True)
     y = solution.InstanceNorm2d(8, affine=True).cuda()(x)
-    assert "ForwardFunction" in y.grad_fn.name()
+    assert y.grad_fn.name() == "InstanceNormBackward"
     assert not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+
+
+def test_forward_mode_ad_raises(solution):
+    import torch.autograd.forward_ad as fwAD
+    x = torch.randn(2, 8, 16, 16, device="cuda")
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(RuntimeError, match="forward-mode AD is not supported"):
+            solution.instance_norm(dual)
 
 
 def kernel_names(fn):
@@ -72,6 +84,39 @@ def test_compiled_autograd_traces_the_backward(solution):
     reference(x).square().mean().backward()
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-4, rtol=1e-3)
+    torch._dynamo.reset()
+
+
+def test_compiled_autograd_of_an_eager_forward(solution):
+    """An eager forward, its backward under compiled autograd: every norm's node
+    (with and without an activation and weight) becomes a call in the compiled
+    graph, and the gradients are eager's."""
+    from torch._dynamo import compiled_autograd
+
+    def net(norm):
+        torch.manual_seed(32)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), norm(16, affine=True, activation="relu"),
+                             nn.Conv2d(16, 16, 3, padding=1), norm(16)).cuda()
+
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    model = net(solution.InstanceNorm2d)
+    model(x).square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    graphs = []
+
+    def compiler(graph):
+        graphs.append(graph)
+        return torch.compile(graph, backend="aot_eager")
+
+    torch._dynamo.reset()
+    loss = model(x).square().mean()
+    with compiled_autograd._enable(compiler):
+        loss.backward()
+    calls = [str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert sum("InstanceNormBackward" in call for call in calls) == 2, calls
+    for ours, eager in zip(model.parameters(), expected):
+        torch.testing.assert_close(ours.grad, eager, atol=1e-5, rtol=1e-4)
     torch._dynamo.reset()
 
 
