@@ -16,6 +16,7 @@
 // order), never by atomics or scheduling, so dx and the sums are bit-identical run to run.
 #include "common.cuh"
 #include "instance_norm.h"
+#include "tuning.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -86,16 +87,9 @@ constexpr int kGenericThreads = 256;
 constexpr int kGenericWarps = kGenericThreads / kWarpSize;
 // Groups of values whose loads a thread issues before using any of them.
 constexpr int kUnroll = 4;
-// Chunk sizes, in values per warp (a channels-last CTA takes kGenericWarps times as
-// many). kTargetWarpItems ~ 132 SMs x 64 resident warps: a tensor big enough to
-// fill the GPU is cut into at least one full wave of work items, so a single 128^3
-// slice still spreads over every SM. Chunks are at least kMinChunkValues (enough
-// loads in flight per warp; at most 2,048 partials per slice for the combine) and at
-// most kMaxChunkValues (many items for big tensors, so the last wave's tail is
-// short). Small slices take one chunk each, shared by as few lanes as cover it.
-constexpr int64_t kTargetWarpItems = 8192;
-constexpr int64_t kMinChunkValues = 1024;
-constexpr int64_t kMaxChunkValues = 16384;
+// Chunk sizes: kTargetWarpItems, kMinChunkValues and kMaxChunkValues
+// (kernels/tuning.h). Small slices take one chunk each, shared by as few lanes as
+// cover it.
 constexpr unsigned kMaxGridCtas = 1u << 16;  // the kernels grid-stride over their items
 
 // A run of up to one vector of consecutive values: its element offset and how many
@@ -762,17 +756,6 @@ const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProbl
   }
 }
 
-// The resident kernels loop over slices with a block reduction and a team barrier
-// each (~ microseconds); below about this many values a slice moves too few bytes
-// per CTA to hide that, and the generic path (all SMs, many warps in flight) is
-// faster. Forcing kCluster or kCooperative still runs smaller slices. To be measured.
-constexpr int64_t kClusterMinSpatial = 4096;
-// Clusters of more than 8 CTAs are not chosen: when the resident kernels held dy
-// on chip too, 16-CTA clusters were slower than the generic path, as in the forward
-// (docs/perf-notes.md #14-#24; not re-measured since dy is read from L2); cooperative
-// teams take those slices, faster than the generic path (docs/perf-notes.md #41).
-constexpr int64_t kClusterMaxChosenSize = 8;
-
 // ---- block path: one CTA per slice, x and dy held in registers (any GPU) ----
 //
 // Thread t of a CTA of THREADS owns the 16-byte vectors t + i * THREADS, i <
@@ -784,10 +767,7 @@ constexpr int64_t kClusterMaxChosenSize = 8;
 // per SM takes several latency-bound rounds over a few hundred small slices.
 // Needs whole 16-byte vectors (spatial % Storage<T>::kPerVector == 0) at 16-byte
 // aligned x, dy and dx, and spatial / kPerVector <= THREADS * kBlockVectorsPerThread.
-// The CTAs grid-stride over the slices.
-constexpr int kBlockVectorsPerThread = 8;
-constexpr int kBlockSmallThreads = 128;
-constexpr int kBlockLargeThreads = 512;
+// The CTAs grid-stride over the slices. Sizes: kernels/tuning.h.
 constexpr int64_t kBlockMaxVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // Register cap: 128 per thread for both sizes (four 128-thread CTAs or one

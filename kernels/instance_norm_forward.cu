@@ -6,6 +6,7 @@
 #include "instance_norm.h"
 #include "pipelined.h"
 #include "split.h"
+#include "tuning.h"
 
 #include <algorithm>
 #include <utility>
@@ -549,22 +550,12 @@ ForwardPlan warp_plan(const ForwardProblem& p) {
 // its slice or tile, so large slices take 512-thread CTAs, up to four per SM; dynamic
 // shared memory for the slice (rounded up to 16 bytes) or the channels-last tile
 // (kChannelsLastTileVectors 16-byte vectors per position); one CTA per slice or tile,
-// grid-stride. Why: small CTAs, six or more to an SM, keep more slices' loads in
-// flight than a few large ones, and won on every slice size where six fit; at five
-// per SM and below they lost to 512-thread CTAs, and with fewer than four slices per
-// SM the two split by shape (docs/perf-notes.md #54, #83-#85, with the
-// measurements). Channels-last tiles keep the vectors rule (not measured).
-constexpr int kBlockVectorsPerThread = 4;
-constexpr int kBlockSmallCtasPerSm = 6;
-constexpr int kBlockSmallMinSlicesPerSm = 4;
+// grid-stride. Why (kernels/tuning.h): small CTAs, six or more to an SM, keep more
+// slices' loads in flight than a few large ones. Channels-last tiles keep the vectors
+// rule (not measured).
 constexpr int kChannelsLastTileVectors = 2;  // 32-byte rows: 8 fp32 or 16 fp16/bf16 channels
 // Larger slices never take the block path (no GPU has this much shared memory per CTA).
 constexpr int64_t kBlockMaxBytes = 1 << 20;
-// The largest channels-last tile the chooser gives the block path (it runs larger ones
-// when forced). One CTA per SM cannot overlap its tile's load, reductions and store:
-// above 128 KB tiles the split path was as fast or faster, below it slower
-// (docs/perf-notes.md #59).
-constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
 
 // Shared-memory bytes of the block path's slice or tile (at most kBlockMaxBytes + 15).
 int64_t block_bytes(const ForwardProblem& p) {
@@ -651,7 +642,7 @@ ForwardPlan resident_plan(TeamKind team, const ForwardProblem& p) {
 // reads), slower than a resident team of one CTA, whose slice sits in registers,
 // where there are more slices than teams (the team stages its next slice while it
 // writes the current one), so those keep their team unless the slices fit one round
-// of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes.
+// of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes (kernels/tuning.h).
 bool block_preferred(const ForwardProblem& p, const ForwardPlan& block) {
   if (!block.valid()) return false;
   if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;
@@ -673,10 +664,9 @@ bool block_preferred(const ForwardProblem& p, const ForwardPlan& block) {
 // Where slices exceed a cluster, the pipelined path in fp32 where it keeps at least as
 // many SMs busy as cooperative teams and its teams take kPipelinedMinRounds slices or
 // more (the busiest; the others at most one fewer): its first three rounds only read,
-// its last three only write, so it needs enough rounds to amortize them: it led the
-// cooperative path from 3 rounds on and lost at 2. In 16-bit it was slower than the
-// cooperative path, which 16-bit slices keep (docs/perf-notes.md #75, #80, #81).
-constexpr int64_t kPipelinedMinRounds = 3;
+// its last three only write, so it needs enough rounds to amortize them
+// (kernels/tuning.h). In 16-bit it was slower than the cooperative path, which 16-bit
+// slices keep (docs/perf-notes.md #75, #80, #81).
 bool pipelined_preferred(const ForwardPlan& pipelined, const ForwardPlan& cooperative) {
   return pipelined.valid() && cooperative.valid() && pipelined.rounds >= kPipelinedMinRounds &&
          pipelined.teams * pipelined.team_size >= cooperative.teams * cooperative.team_size;
