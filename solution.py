@@ -42,7 +42,7 @@ import torch.nn.functional as F
 __all__ = ["ACTIVATIONS", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "ModelNew", "bundle",
            "convert_instance_norm", "emulated_device", "instance_norm", "set_compile_fusion"]
 
-_HEADER_FILES = ("common.cuh", "instance_norm.h", "pipelined.h", "split.h")
+_HEADER_FILES = ("common.cuh", "instance_norm.h", "pipelined.h", "split.h", "tuning.h")
 _CUDA_FILES = ("instance_norm_forward.cu", "instance_norm_pipelined.cu", "instance_norm_split.cu",
                "instance_norm_backward.cu")
 _CPP_FILES = ("instance_norm_entry.cpp",)

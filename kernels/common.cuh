@@ -1,7 +1,8 @@
 // Helpers shared by the InstanceNorm kernels: storage-type traits, streaming
 // stores, cp.async staging, the mean/M2 statistics of a slice and their warp and
 // block reductions, the resident paths' teams (cluster or cooperative launch); on
-// the host, dtype dispatch, occupancy queries and the resident paths' launches.
+// the host, dtype dispatch, occupancy queries, the resident paths' plans and the
+// launch of a plan's kernel.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -14,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -951,39 +953,33 @@ struct ResidentVariant {
     const int size = team_size(spatial);
     return size <= kMaxClusterSize && active_clusters(size) > 0;
   }
-  cudaError_t launch_cluster(const Problem& p, cudaStream_t stream) const {
-    const int size = team_size(p.spatial);
-    const int64_t teams = std::min<int64_t>(p.num_slices(), active_clusters(size));
-    cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config =
-        cluster_launch_config(static_cast<unsigned>(teams * size), threads, shared_bytes, size, stream, &attribute);
-    return cudaLaunchKernelEx(&config, cluster_kernel, p);
+  // Sets plan's teams and launch for the cluster path, where cluster_fits(p.spatial):
+  // as many clusters as are resident at once, at most one per slice.
+  template <typename Plan>
+  void plan_cluster(const Problem& p, Plan& plan) const {
+    plan.team_size = team_size(p.spatial);
+    plan.teams = std::min<int64_t>(p.num_slices(), active_clusters(plan.team_size));
+    const unsigned grid = static_cast<unsigned>(plan.teams * plan.team_size);
+    plan.launch = {LaunchKind::kCluster, cluster_kernel, grid, threads, shared_bytes, plan.team_size, 0};
   }
 
-  // Cooperative teams (any GPU with cooperative launch); p.workspace must hold
-  // cooperative_workspace_bytes(p).
+  // Cooperative teams (any GPU with cooperative launch).
   int resident_ctas() const {
     return max_resident_ctas(reinterpret_cast<const void*>(cooperative_kernel), threads, shared_bytes, needs_sm90);
   }
   bool cooperative_fits(int64_t spatial) const { return team_size(spatial) <= resident_ctas(); }
-  int64_t cooperative_teams(const Problem& p) const {
-    const int size = team_size(p.spatial);
-    return std::max<int64_t>(1, std::min<int64_t>(p.num_slices(), resident_ctas() / size));
-  }
-  size_t cooperative_workspace_bytes(const Problem& p) const {
-    const int64_t teams = cooperative_teams(p);
-    return team_counter_bytes(teams) + static_cast<size_t>(teams * 2 * team_size(p.spatial) * total_bytes);
-  }
-  cudaError_t launch_cooperative(const Problem& p, cudaStream_t stream) const {
-    if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    const int size = team_size(p.spatial);
-    const int64_t teams = cooperative_teams(p);
-    const cudaError_t error = cudaMemsetAsync(p.workspace, 0, team_counter_bytes(teams), stream);
-    if (error != cudaSuccess) return error;
-    cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config =
-        cooperative_launch_config(static_cast<unsigned>(teams * size), threads, shared_bytes, stream, &attribute);
-    return cudaLaunchKernelEx(&config, cooperative_kernel, p);
+  // Sets plan's teams, launch and workspace for the cooperative path, where
+  // cooperative_fits(p.spatial): as many teams as are resident at once, at most one
+  // per slice; the workspace holds their arrival counters, then two rounds of CTA
+  // totals per team.
+  template <typename Plan>
+  void plan_cooperative(const Problem& p, Plan& plan) const {
+    plan.team_size = team_size(p.spatial);
+    plan.teams = std::max<int64_t>(1, std::min<int64_t>(p.num_slices(), resident_ctas() / plan.team_size));
+    const size_t counters = team_counter_bytes(plan.teams);
+    plan.workspace_bytes = counters + static_cast<size_t>(plan.teams * 2 * plan.team_size * total_bytes);
+    const unsigned grid = static_cast<unsigned>(plan.teams * plan.team_size);
+    plan.launch = {LaunchKind::kCooperative, cooperative_kernel, grid, threads, shared_bytes, 0, counters};
   }
 };
 
@@ -994,6 +990,43 @@ const ResidentVariant<Problem>& variant_for(const ResidentVariant<Problem> (&var
     if (v.dtype == dtype) return v;
   }
   return variants[0];  // unreachable: every DType has a variant
+}
+
+// Launches a plan's kernel on `stream` (after zeroing the counters a cooperative
+// launch needs in p.workspace); returns the first CUDA error.
+template <typename Problem>
+cudaError_t launch_kernel(const KernelLaunch<Problem>& launch, const Problem& p, cudaStream_t stream) {
+  if (launch.kernel == nullptr) return cudaErrorInvalidValue;
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config;
+  switch (launch.kind) {
+    case LaunchKind::kPlain:
+      launch.kernel<<<launch.grid, launch.threads, launch.shared_bytes, stream>>>(p);
+      return cudaGetLastError();
+    case LaunchKind::kCluster:
+      config = cluster_launch_config(launch.grid, launch.threads, launch.shared_bytes, launch.cluster_size, stream,
+                                     &attribute);
+      break;
+    case LaunchKind::kCooperative: {
+      if (p.workspace == nullptr) return cudaErrorInvalidValue;
+      const cudaError_t error = cudaMemsetAsync(p.workspace, 0, launch.zeroed_bytes, stream);
+      if (error != cudaSuccess) return error;
+      config = cooperative_launch_config(launch.grid, launch.threads, launch.shared_bytes, stream, &attribute);
+      break;
+    }
+  }
+  return cudaLaunchKernelEx(&config, launch.kernel, p);
+}
+
+// The counts plans_made() reports: one object shared by every translation unit of
+// the extension (an inline function's static), as emulation().
+struct PlanCounters {
+  std::atomic<int64_t> forward{0};
+  std::atomic<int64_t> backward{0};
+};
+inline PlanCounters& plan_counters() {
+  static PlanCounters counters;
+  return counters;
 }
 
 }  // namespace instance_norm

@@ -21,8 +21,8 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 //                                         the same order for 1d).
 enum class Layout : int { kContiguous = 0, kChannelsLast = 1 };
 
-// Forward kernel paths. kAuto lets choose_forward_path pick; the others force one
-// (tests and bench.py use them to exercise and time every path).
+// Forward kernel paths. kAuto lets plan_forward pick; the others force one (tests
+// and bench.py use them to exercise and time every path).
 enum class ForwardPath : int {
   kAuto = 0,
   // One CTA per slice, the slice held in shared memory (read once). Contiguous, any
@@ -48,20 +48,20 @@ enum class ForwardPath : int {
   // Several CTAs per slice, any layout, size, alignment and GPU (channels-last input
   // where the block path does not take it): partial statistics per chunk, a tiny
   // kernel that combines them per slice, then a normalize sweep (two reads of x).
-  // Needs forward_workspace_bytes() of workspace.
+  // Needs workspace (ForwardPlan::workspace_bytes).
   kSplit = 4,
   // As kCluster, but the team of CTAs holding a slice is part of a cooperative
   // launch (all CTAs co-resident) and exchanges statistics through global memory:
   // no cluster-size limit (slices up to as many CTAs as are resident at once, e.g.
   // 128^3 fp32 on 64 CTAs), any GPU with room for the staged slice. Needs
-  // forward_workspace_bytes() of workspace.
+  // workspace (ForwardPlan::workspace_bytes).
   kCooperative = 5,
   // Cooperative teams as kCooperative, pipelined (sm_90+): each CTA keeps its part of
   // a slice in shared memory for three rounds, so the team's statistics of a slice
   // are used two rounds after they are published and the exchange never stalls the
   // reads and writes. Contiguous, slices of up to (resident CTAs) * 16,384 fp32 or
   // 32,768 fp16/bf16 values, spatial a multiple of the 16-byte vector, 16-byte
-  // aligned x and y. Needs forward_workspace_bytes() of workspace.
+  // aligned x and y. Needs workspace (ForwardPlan::workspace_bytes).
   kPipelined = 6,
 };
 constexpr int kNumForwardPaths = 7;
@@ -121,7 +121,7 @@ struct ForwardProblem {
   // normalize sweep.
   const float* running_mean;
   const float* running_var;
-  // forward_workspace_bytes(problem, path) bytes of device memory, 16-byte aligned.
+  // ForwardPlan::workspace_bytes of device memory, 16-byte aligned.
   void* workspace;
   // Applied to every y value on every path (none when zero-initialized).
   Epilogue epilogue;
@@ -129,21 +129,76 @@ struct ForwardProblem {
   __host__ __device__ int64_t num_slices() const { return batch * num_channels; }
 };
 
-// The path kAuto takes for this problem on the current device.
-ForwardPath choose_forward_path(const ForwardProblem& problem);
+// How a plan's kernel is launched: plainly, in clusters of cluster_size CTAs along
+// x, or cooperatively (all CTAs co-resident) after zeroing the first zeroed_bytes
+// of the problem's workspace (the teams' arrival counters).
+enum class LaunchKind : int { kPlain = 0, kCluster = 1, kCooperative = 2 };
 
-// Whether `path` can run this problem on the current device (a forced path that
-// cannot is an error, not a silent switch); every path runs an empty problem (no
-// slices or no values: nothing to launch). A null y counts as aligned.
-bool forward_path_supported(ForwardPath path, const ForwardProblem& problem);
+template <typename Problem>
+struct KernelLaunch {
+  LaunchKind kind;
+  void (*kernel)(const Problem);
+  unsigned grid;  // CTAs
+  int threads;    // per CTA
+  int shared_bytes;  // dynamic shared memory per CTA
+  int cluster_size;  // kCluster only
+  size_t zeroed_bytes;  // kCooperative only
+};
 
-// Bytes of workspace forward(problem, path, ...) needs (0 for most paths).
-size_t forward_workspace_bytes(const ForwardProblem& problem, ForwardPath path);
+// The split path's three launches (instance_norm_split.cu): partial statistics per
+// chunk, their combination per slice, the normalize sweep.
+struct SplitPlan {
+  int64_t chunks;         // partials per slice (contiguous: chunks of values; channels-last: of rows)
+  size_t partials_bytes;  // the workspace's partials, before the per-slice float4s
+  bool vector_stats;      // the contiguous partials read 16-byte vectors (else single values)
+  unsigned stats_grid;
+  unsigned combine_grid;
+  int sweep_unit;         // values per unit of the sweep: one 16-byte vector, or 1
+  unsigned sweep_grid;
+};
 
-// Launches the forward on `stream`; returns the first CUDA error (launch
-// configuration included), or cudaErrorInvalidValue for a path that cannot run
-// this problem.
-cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_t stream);
+// How forward runs one problem on the current device: the path and everything its
+// launch needs, made once per call by plan_forward; forward() launches it as is.
+// Zero-initialized: path kAuto, a plan that cannot run.
+struct ForwardPlan {
+  // The path that runs; kAuto where the forced path cannot run this problem on this
+  // device. With running statistics every path runs the split path's sweep, so a
+  // plan that can run is kSplit's.
+  ForwardPath path;
+  size_t workspace_bytes;  // problem.workspace must hold these (0: none)
+  KernelLaunch<ForwardProblem> launch;  // every path but kSplit
+  // The resident and pipelined paths' teams: team_size CTAs each (the cluster size
+  // on kCluster), `teams` of them in the grid, the busiest taking `rounds` slices
+  // (kPipelined; the others one fewer at most).
+  int team_size;
+  int64_t teams;
+  int64_t rounds;
+  SplitPlan split;  // kSplit
+
+  bool valid() const { return path != ForwardPath::kAuto; }
+};
+
+// The plan of `forced` for this problem on the current device, or with kAuto of the
+// path the chooser takes (instance_norm_forward.cu). A forced path that cannot run
+// the problem gives an invalid plan (an error for the caller, not a silent switch);
+// every path runs an empty problem (no slices or no values: nothing to launch). A
+// null y counts as aligned: a plan made before y exists is a support query.
+ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced);
+
+// Launches the plan on `stream`; returns the first CUDA error (launch configuration
+// included), or cudaErrorInvalidValue for an invalid plan, a null y or a missing
+// workspace. The plan must be plan_forward's for this problem (its y included).
+cudaError_t forward(const ForwardProblem& problem, const ForwardPlan& plan, cudaStream_t stream);
+
+// The sizes the paths' limits above follow from, per dtype: for tests and tools,
+// which read them through the extension.
+struct ForwardCapacities {
+  int64_t warp_spatial;   // kWarp: values per slice
+  int64_t resident_cta;   // kCluster, kCooperative: values of a slice per CTA
+  int max_cluster_size;   // kCluster: CTAs per cluster
+  int64_t pipelined_cta;  // kPipelined: values of a slice per CTA
+};
+ForwardCapacities forward_capacities(DType dtype);
 
 // PyTorch's running-statistics update of instance norm in training (batch_norm on
 // the (1, N * C, *spatial) view, then the mean over n of the blended buffers):
@@ -167,8 +222,8 @@ enum class BackwardPath : int {
   // Chosen for clusters of <= 8.
   kCluster = 2,
   // As kCluster, with a team of CTAs of a cooperative launch instead of a cluster
-  // (sm_90+: bulk copies; no cluster-size limit); needs backward_workspace_bytes()
-  // of workspace. Chosen for slices larger than a cluster of 8 holds.
+  // (sm_90+: bulk copies; no cluster-size limit); needs workspace
+  // (BackwardPlan::workspace_bytes). Chosen for slices larger than a cluster of 8 holds.
   kCooperative = 3,
   // One CTA per slice, x and dy held in registers (read once), one launch, any GPU.
   // Contiguous, spatial a multiple of the 16-byte vector, slices of up to 16,384
@@ -210,7 +265,7 @@ struct BackwardProblem {
   // backward takes float32 parameters: its channels-last sweeps read them at each use.
   const float* bias;
   void* grad_residual;
-  // backward_workspace_bytes(problem, path) bytes of device memory, 16-byte aligned.
+  // BackwardPlan::workspace_bytes of device memory, 16-byte aligned.
   void* workspace;
 
   __host__ __device__ int64_t num_slices() const { return batch * num_channels; }
@@ -222,10 +277,55 @@ struct BackwardProblem {
 cudaError_t parameter_gradients(float* grad_weight, float* grad_bias, const float* sum_dy_xhat, const float* sum_dy,
                                 int64_t batch, int64_t channels, cudaStream_t stream);
 
-BackwardPath choose_backward_path(const BackwardProblem& problem);
-bool backward_path_supported(BackwardPath path, const BackwardProblem& problem);
-size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath path);
-cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStream_t stream);
+// How the generic backward path cuts the problem: a function of shape and dtype only
+// (not of the device or alignment), so the sums are the same bits on every GPU. The
+// generic kernels take it as an argument.
+struct GenericPlan {
+  bool channels_last;
+  int64_t chunk;          // contiguous: values per chunk (a multiple of 8); channels-last: rows per chunk
+  int64_t chunks;         // chunks per slice (contiguous) or per image n (channels-last)
+  int lanes_per_chunk;    // contiguous: lanes that share a chunk (a power of two <= 32)
+  int lanes_per_slice;    // combine: lanes that share a slice's partials (a power of two <= 32)
+  int lanes_per_row;      // channels-last: threads along C, one vector of channels each (a power of two <= 32)
+  int64_t channel_tiles;  // channels-last: ceil(C / (lanes_per_row * values per vector))
+  int64_t num_items;      // contiguous: (slice, chunk) lane-group items; channels-last: (n, chunk, tile) CTA items
+  int64_t num_partials;
+};
+
+// How backward runs one problem on the current device, as ForwardPlan.
+struct BackwardPlan {
+  BackwardPath path;  // kAuto: the forced path cannot run this problem on this device
+  size_t workspace_bytes;
+  KernelLaunch<BackwardProblem> launch;  // kBlock, kCluster, kCooperative
+  int team_size;  // kCluster, kCooperative: CTAs per team and teams in the grid
+  int64_t teams;
+  // kGeneric: the cut, whether its kernels read 16-byte vectors, and the grids of
+  // the partial-sums and dx kernels (item_grid) and of the combine.
+  GenericPlan generic;
+  bool generic_vectorized;
+  unsigned item_grid;
+  unsigned combine_grid;
+
+  bool valid() const { return path != BackwardPath::kAuto; }
+};
+
+// As plan_forward; a null dx counts as aligned. Unlike the forward's, a forced path
+// must run an empty problem's shape as any other's (nothing is launched for it).
+BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced);
+cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream);
+
+struct BackwardCapacities {
+  int64_t block_spatial;  // kBlock: values per slice
+};
+BackwardCapacities backward_capacities(DType dtype);
+
+// Test hook: the plans plan_forward and plan_backward have made in this process; a
+// call of the ops plans once (tests/test_gpu_ops.py counts them).
+struct PlanCounts {
+  int64_t forward;
+  int64_t backward;
+};
+PlanCounts plans_made();
 
 // Testing only: another GPU's limits in place of the current device's, for every
 // query the path choice makes (compute capability, shared memory per CTA and per

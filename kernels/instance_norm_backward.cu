@@ -16,6 +16,7 @@
 // order), never by atomics or scheduling, so dx and the sums are bit-identical run to run.
 #include "common.cuh"
 #include "instance_norm.h"
+#include "tuning.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -86,32 +87,10 @@ constexpr int kGenericThreads = 256;
 constexpr int kGenericWarps = kGenericThreads / kWarpSize;
 // Groups of values whose loads a thread issues before using any of them.
 constexpr int kUnroll = 4;
-// Chunk sizes, in values per warp (a channels-last CTA takes kGenericWarps times as
-// many). kTargetWarpItems ~ 132 SMs x 64 resident warps: a tensor big enough to
-// fill the GPU is cut into at least one full wave of work items, so a single 128^3
-// slice still spreads over every SM. Chunks are at least kMinChunkValues (enough
-// loads in flight per warp; at most 2,048 partials per slice for the combine) and at
-// most kMaxChunkValues (many items for big tensors, so the last wave's tail is
-// short). Small slices take one chunk each, shared by as few lanes as cover it.
-constexpr int64_t kTargetWarpItems = 8192;
-constexpr int64_t kMinChunkValues = 1024;
-constexpr int64_t kMaxChunkValues = 16384;
+// Chunk sizes: kTargetWarpItems, kMinChunkValues and kMaxChunkValues
+// (kernels/tuning.h). Small slices take one chunk each, shared by as few lanes as
+// cover it.
 constexpr unsigned kMaxGridCtas = 1u << 16;  // the kernels grid-stride over their items
-
-// How the generic path cuts the problem: a function of shape and dtype only (not of
-// the device or alignment), so the workspace size query and the launch agree, and
-// the sums are the same bits on every GPU.
-struct GenericPlan {
-  bool channels_last;
-  int64_t chunk;          // contiguous: values per chunk (a multiple of 8); channels-last: rows per chunk
-  int64_t chunks;         // chunks per slice (contiguous) or per image n (channels-last)
-  int lanes_per_chunk;    // contiguous: lanes that share a chunk (a power of two <= 32)
-  int lanes_per_slice;    // combine: lanes that share a slice's partials (a power of two <= 32)
-  int lanes_per_row;      // channels-last: threads along C, one vector of channels each (a power of two <= 32)
-  int64_t channel_tiles;  // channels-last: ceil(C / (lanes_per_row * values per vector))
-  int64_t num_items;      // contiguous: (slice, chunk) lane-group items; channels-last: (n, chunk, tile) CTA items
-  int64_t num_partials;
-};
 
 // A run of up to one vector of consecutive values: its element offset and how many
 // of its values are in range (<= 0: none).
@@ -777,17 +756,6 @@ const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProbl
   }
 }
 
-// The resident kernels loop over slices with a block reduction and a team barrier
-// each (~ microseconds); below about this many values a slice moves too few bytes
-// per CTA to hide that, and the generic path (all SMs, many warps in flight) is
-// faster. Forcing kCluster or kCooperative still runs smaller slices. To be measured.
-constexpr int64_t kClusterMinSpatial = 4096;
-// Clusters of more than 8 CTAs are not chosen: when the resident kernels held dy
-// on chip too, 16-CTA clusters were slower than the generic path, as in the forward
-// (docs/perf-notes.md #14-#24; not re-measured since dy is read from L2); cooperative
-// teams take those slices, faster than the generic path (docs/perf-notes.md #41).
-constexpr int64_t kClusterMaxChosenSize = 8;
-
 // ---- block path: one CTA per slice, x and dy held in registers (any GPU) ----
 //
 // Thread t of a CTA of THREADS owns the 16-byte vectors t + i * THREADS, i <
@@ -799,10 +767,7 @@ constexpr int64_t kClusterMaxChosenSize = 8;
 // per SM takes several latency-bound rounds over a few hundred small slices.
 // Needs whole 16-byte vectors (spatial % Storage<T>::kPerVector == 0) at 16-byte
 // aligned x, dy and dx, and spatial / kPerVector <= THREADS * kBlockVectorsPerThread.
-// The CTAs grid-stride over the slices.
-constexpr int kBlockVectorsPerThread = 8;
-constexpr int kBlockSmallThreads = 128;
-constexpr int kBlockLargeThreads = 512;
+// The CTAs grid-stride over the slices. Sizes: kernels/tuning.h.
 constexpr int64_t kBlockMaxVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // Register cap: 128 per thread for both sizes (four 128-thread CTAs or one
@@ -934,10 +899,6 @@ bool generic_vectorized(const BackwardProblem& p, const GenericPlan& plan) {
   return row % values_per_vector(p.dtype) == 0 && aligned16(p.x) && aligned16(p.dy) && aligned16(p.dx);
 }
 
-size_t generic_workspace_bytes(const GenericPlan& plan) {
-  return static_cast<size_t>(ceil_div(plan.num_partials * static_cast<int64_t>(sizeof(float2)), 16) * 16);
-}
-
 // CTAs for `items` shared out to groups of `group_lanes` lanes (capped: the
 // kernels grid-stride).
 unsigned group_grid(int64_t items, int group_lanes) {
@@ -947,38 +908,49 @@ unsigned group_grid(int64_t items, int group_lanes) {
 
 unsigned cta_grid(int64_t items) { return static_cast<unsigned>(std::min<int64_t>(items, kMaxGridCtas)); }
 
-cudaError_t launch_generic(const BackwardProblem& p, cudaStream_t stream) {
-  const GenericPlan plan = generic_plan(p);
+// The generic path runs every problem; an empty one needs no cut (nothing to launch).
+BackwardPlan generic_backward_plan(const BackwardProblem& p) {
+  BackwardPlan plan{};
+  plan.path = BackwardPath::kGeneric;
+  if (p.num_slices() <= 0 || p.spatial <= 0) return plan;
+  const GenericPlan& generic = plan.generic = generic_plan(p);
+  plan.generic_vectorized = generic_vectorized(p, generic);
+  plan.workspace_bytes =
+      static_cast<size_t>(ceil_div(generic.num_partials * static_cast<int64_t>(sizeof(float2)), 16) * 16);
+  plan.item_grid = generic.channels_last ? cta_grid(generic.num_items)
+                                         : group_grid(generic.num_items, generic.lanes_per_chunk);
+  plan.combine_grid = group_grid(p.num_slices(), generic.lanes_per_slice);
+  return plan;
+}
+
+cudaError_t launch_generic(const BackwardProblem& p, const BackwardPlan& plan, cudaStream_t stream) {
   if (p.workspace == nullptr) return cudaErrorInvalidValue;
+  const GenericPlan& generic = plan.generic;
   float2* partials = static_cast<float2*>(p.workspace);
-  const bool vectorized = generic_vectorized(p, plan);
   return dispatch_dtype(p.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const auto launch = [&](auto vector_tag) {
       constexpr bool kVector = decltype(vector_tag)::value;
-      if (plan.channels_last) {
-        partial_sums_channels_last_kernel<T, kVector>
-            <<<cta_grid(plan.num_items), kGenericThreads, 0, stream>>>(p, plan, partials);
+      if (generic.channels_last) {
+        partial_sums_channels_last_kernel<T, kVector><<<plan.item_grid, kGenericThreads, 0, stream>>>(p, generic,
+                                                                                                      partials);
       } else {
-        partial_sums_contiguous_kernel<T, kVector>
-            <<<group_grid(plan.num_items, plan.lanes_per_chunk), kGenericThreads, 0, stream>>>(p, plan, partials);
+        partial_sums_contiguous_kernel<T, kVector><<<plan.item_grid, kGenericThreads, 0, stream>>>(p, generic,
+                                                                                                   partials);
       }
       cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
-      combine_partials_kernel<<<group_grid(p.num_slices(), plan.lanes_per_slice), kGenericThreads, 0, stream>>>(
-          p, plan, partials);
+      combine_partials_kernel<<<plan.combine_grid, kGenericThreads, 0, stream>>>(p, generic, partials);
       error = cudaGetLastError();
       if (error != cudaSuccess) return error;
-      if (plan.channels_last) {
-        input_gradient_channels_last_kernel<T, kVector>
-            <<<cta_grid(plan.num_items), kGenericThreads, 0, stream>>>(p, plan);
+      if (generic.channels_last) {
+        input_gradient_channels_last_kernel<T, kVector><<<plan.item_grid, kGenericThreads, 0, stream>>>(p, generic);
       } else {
-        input_gradient_contiguous_kernel<T, kVector>
-            <<<group_grid(plan.num_items, plan.lanes_per_chunk), kGenericThreads, 0, stream>>>(p, plan);
+        input_gradient_contiguous_kernel<T, kVector><<<plan.item_grid, kGenericThreads, 0, stream>>>(p, generic);
       }
       return cudaGetLastError();
     };
-    return vectorized ? launch(std::true_type{}) : launch(std::false_type{});
+    return plan.generic_vectorized ? launch(std::true_type{}) : launch(std::false_type{});
   });
 }
 
@@ -991,101 +963,93 @@ bool whole_aligned_vectors(const BackwardProblem& p) {
          aligned16(p.dy) && aligned16(p.dx);
 }
 
-bool resident_supported(TeamKind team, const BackwardProblem& p) {
+// The cluster or cooperative path, where the slices are whole aligned vectors and
+// a team of the kind fits (an empty problem: nothing to launch).
+BackwardPlan resident_plan(TeamKind team, const BackwardProblem& p) {
+  BackwardPlan plan{};
+  if (!whole_aligned_vectors(p)) return plan;
   const ResidentVariant<BackwardProblem>& variant = resident_variant_for(p);
-  return whole_aligned_vectors(p) &&
-         (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
+  const bool cluster = team == TeamKind::kCluster;
+  if (!(cluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial))) return plan;
+  plan.path = cluster ? BackwardPath::kCluster : BackwardPath::kCooperative;
+  if (p.num_slices() <= 0 || p.spatial <= 0) return plan;
+  if (cluster) {
+    variant.plan_cluster(p, plan);
+  } else {
+    variant.plan_cooperative(p, plan);
+  }
+  return plan;
 }
 
 int64_t slice_vectors(const BackwardProblem& p) { return p.spatial / values_per_vector(p.dtype); }
 
-bool block_supported(const BackwardProblem& p) {
-  return whole_aligned_vectors(p) && slice_vectors(p) <= kBlockMaxVectors;
-}
-
-// The block path's CTA size: the small CTA where it holds the slice.
-int block_threads(const BackwardProblem& p) {
-  return slice_vectors(p) <= int64_t{kBlockSmallThreads} * kBlockVectorsPerThread ? kBlockSmallThreads
-                                                                                   : kBlockLargeThreads;
-}
-
-cudaError_t launch_block(const BackwardProblem& p, cudaStream_t stream) {
-  const unsigned grid = cta_grid(p.num_slices());
-  const bool small = block_threads(p) == kBlockSmallThreads;
-  return dispatch_dtype(p.dtype, [&](auto dtype_tag) {
+// The block path: slices of whole aligned vectors up to kBlockMaxVectors, in the
+// small CTA where it holds the slice, else the large one; one CTA per slice,
+// grid-stride.
+BackwardPlan block_plan(const BackwardProblem& p) {
+  BackwardPlan plan{};
+  if (!whole_aligned_vectors(p) || slice_vectors(p) > kBlockMaxVectors) return plan;
+  const bool small = slice_vectors(p) <= int64_t{kBlockSmallThreads} * kBlockVectorsPerThread;
+  dispatch_dtype(p.dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     return dispatch_activation(p.epilogue.activation, [&](auto activation_tag) {
       constexpr Activation kActivation = decltype(activation_tag)::value;
-      if (small) {
-        backward_block_kernel<T, kBlockSmallThreads, kActivation><<<grid, kBlockSmallThreads, 0, stream>>>(p);
-      } else {
-        backward_block_kernel<T, kBlockLargeThreads, kActivation><<<grid, kBlockLargeThreads, 0, stream>>>(p);
-      }
-      return cudaGetLastError();
+      plan.launch = small ? KernelLaunch<BackwardProblem>{LaunchKind::kPlain,
+                                                          backward_block_kernel<T, kBlockSmallThreads, kActivation>,
+                                                          0, kBlockSmallThreads, 0, 0, 0}
+                          : KernelLaunch<BackwardProblem>{LaunchKind::kPlain,
+                                                          backward_block_kernel<T, kBlockLargeThreads, kActivation>,
+                                                          0, kBlockLargeThreads, 0, 0, 0};
+      return cudaSuccess;
     });
   });
+  plan.path = BackwardPath::kBlock;
+  plan.launch.grid = cta_grid(p.num_slices());
+  return plan;
+}
+
+// Every slice the block path holds (up to 16,384 fp32 or 32,768 16-bit values): it
+// beat the cluster, cooperative and generic paths on every such size timed, 256 to
+// 16,384 values, few slices and many (docs/perf-notes.md #104). Larger slices: those a
+// cluster of <= kClusterMaxChosenSize CTAs holds on the cluster path where the GPU
+// has one, larger ones on a cooperative team; slices below kClusterMinSpatial, and
+// those no team of the kind holds, on the generic path.
+BackwardPlan chosen_plan(const BackwardProblem& p) {
+  BackwardPlan plan = block_plan(p);
+  if (plan.valid()) return plan;
+  if (p.spatial < kClusterMinSpatial) return generic_backward_plan(p);
+  const TeamKind team = resident_variant_for(p).team_size(p.spatial) <= kClusterMaxChosenSize ? TeamKind::kCluster
+                                                                                               : TeamKind::kCooperative;
+  plan = resident_plan(team, p);
+  return plan.valid() ? plan : generic_backward_plan(p);
 }
 
 }  // namespace backward_detail
 
-BackwardPath choose_backward_path(const BackwardProblem& problem) {
+BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced) {
   using namespace backward_detail;
-  // Every slice the block path holds (up to 16,384 fp32 or 32,768 16-bit values): it
-  // beat the cluster, cooperative and generic paths on every such size timed, 256 to
-  // 16,384 values, few slices and many (docs/perf-notes.md #104).
-  if (block_supported(problem)) return BackwardPath::kBlock;
-  if (problem.spatial < kClusterMinSpatial) return BackwardPath::kGeneric;
-  // Slices a cluster of <= 8 CTAs holds: the cluster path where the GPU has one.
-  // Larger ones: a cooperative team.
-  const TeamKind team = resident_variant_for(problem).team_size(problem.spatial) <= kClusterMaxChosenSize
-                            ? TeamKind::kCluster
-                            : TeamKind::kCooperative;
-  if (!resident_supported(team, problem)) return BackwardPath::kGeneric;
-  return team == TeamKind::kCluster ? BackwardPath::kCluster : BackwardPath::kCooperative;
+  ++plan_counters().backward;
+  switch (forced) {
+    case BackwardPath::kAuto: return chosen_plan(problem);
+    case BackwardPath::kGeneric: return generic_backward_plan(problem);
+    case BackwardPath::kCluster: return resident_plan(TeamKind::kCluster, problem);
+    case BackwardPath::kCooperative: return resident_plan(TeamKind::kCooperative, problem);
+    case BackwardPath::kBlock: return block_plan(problem);
+  }
+  return {};
 }
 
-bool backward_path_supported(BackwardPath path, const BackwardProblem& problem) {
-  using namespace backward_detail;
-  switch (path) {
-    case BackwardPath::kAuto:
-    case BackwardPath::kGeneric: return true;
-    case BackwardPath::kCluster: return resident_supported(TeamKind::kCluster, problem);
-    case BackwardPath::kCooperative: return resident_supported(TeamKind::kCooperative, problem);
-    case BackwardPath::kBlock: return block_supported(problem);
-  }
-  return false;
-}
-
-size_t backward_workspace_bytes(const BackwardProblem& problem, BackwardPath path) {
-  using namespace backward_detail;
-  if (problem.num_slices() <= 0 || problem.spatial <= 0) return 0;
-  if (path == BackwardPath::kAuto) {
-    path = choose_backward_path(problem);
-    // A null dx counts as aligned; if the real one is not, backward() takes the
-    // generic path, so a query made before dx exists covers that path too.
-    if (problem.dx == nullptr && path != BackwardPath::kGeneric) {
-      return std::max(backward_workspace_bytes(problem, path), generic_workspace_bytes(generic_plan(problem)));
-    }
-  }
-  if (path == BackwardPath::kGeneric) return generic_workspace_bytes(generic_plan(problem));
-  if (path == BackwardPath::kCooperative) {
-    return resident_variant_for(problem).cooperative_workspace_bytes(problem);
-  }
-  return 0;
-}
-
-// kAuto chooses again here, with the real dx (a workspace sized before dx existed
-// also covers the generic path, which a misaligned dx falls back to).
-cudaError_t backward(const BackwardProblem& problem, BackwardPath path, cudaStream_t stream) {
+cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream) {
   using namespace backward_detail;
   if (problem.num_slices() <= 0 || problem.spatial <= 0) return cudaSuccess;
-  if (problem.dx == nullptr || !backward_path_supported(path, problem)) return cudaErrorInvalidValue;
-  if (path == BackwardPath::kAuto) path = choose_backward_path(problem);
-  if (path == BackwardPath::kGeneric) return launch_generic(problem, stream);
-  if (path == BackwardPath::kBlock) return launch_block(problem, stream);
-  const ResidentVariant<BackwardProblem>& variant = resident_variant_for(problem);
-  return path == BackwardPath::kCluster ? variant.launch_cluster(problem, stream)
-                                        : variant.launch_cooperative(problem, stream);
+  if (problem.dx == nullptr || !plan.valid()) return cudaErrorInvalidValue;
+  if (plan.path == BackwardPath::kGeneric) return launch_generic(problem, plan, stream);
+  return launch_kernel(plan.launch, problem, stream);
+}
+
+BackwardCapacities backward_capacities(DType dtype) {
+  using namespace backward_detail;
+  return {kBlockMaxVectors * values_per_vector(dtype)};
 }
 
 }  // namespace instance_norm

@@ -688,20 +688,25 @@ cudaStream_t current_stream(const at::Device& device) {
   return c10::cuda::getCurrentCUDAStream(device.index()).stream();
 }
 
-// Runs `problem` (x set) into `output`; fills problem.y and problem.workspace.
+// A plan's workspace: workspace_bytes of device memory on x's device, or none.
+at::Tensor workspace_for(size_t workspace_bytes, const at::Tensor& x) {
+  return workspace_bytes > 0 ? at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte))
+                             : at::Tensor();
+}
+
+// Runs `problem` (x set) into `output` on `path` (kAuto: the chosen one): plans
+// once, allocates the plan's workspace, launches the plan. Fills problem.y and
+// problem.workspace.
 void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::ForwardProblem& problem,
                  instance_norm::ForwardPath path) {
-  TORCH_CHECK(instance_norm::forward_path_supported(path, problem), "path ", text(static_cast<int>(path)),
-              " cannot run ", text(problem.num_slices()), " slices of ", text(problem.spatial), " ", x.scalar_type(),
+  problem.y = output.data_ptr();  // before planning: the path may depend on y's alignment
+  const instance_norm::ForwardPlan plan = instance_norm::plan_forward(problem, path);
+  TORCH_CHECK(plan.valid(), "path ", text(static_cast<int>(path)), " cannot run ", text(problem.num_slices()),
+              " slices of ", text(problem.spatial), " ", x.scalar_type(),
               " elements in this layout on this GPU (see kernels/instance_norm.h)");
-  problem.y = output.data_ptr();  // before choosing: the path may depend on y's alignment
-  // Chosen once here; workspace sizing and launch then take the concrete path.
-  if (path == instance_norm::ForwardPath::kAuto) path = instance_norm::choose_forward_path(problem);
-  const size_t workspace_bytes = instance_norm::forward_workspace_bytes(problem, path);
-  at::Tensor workspace;
-  if (workspace_bytes > 0) workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
-  problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
-  C10_CUDA_CHECK(instance_norm::forward(problem, path, current_stream(x.device())));
+  const at::Tensor workspace = workspace_for(plan.workspace_bytes, x);
+  problem.workspace = workspace.defined() ? workspace.data_ptr() : nullptr;
+  C10_CUDA_CHECK(instance_norm::forward(problem, plan, current_stream(x.device())));
 }
 
 // The kernels' Epilogue from the ops' arguments. The residual must have x's sizes,
@@ -880,15 +885,11 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   problem.epilogue = kernel_epilogue(epilogue, input, residual);
   problem.bias = bias_f32 ? bias_f32->data_ptr<float>() : nullptr;
   problem.grad_residual = grad_residual.numel() > 0 ? grad_residual.data_ptr() : nullptr;
-  TORCH_CHECK(instance_norm::backward_path_supported(path, problem), "backward path ", text(static_cast<int>(path)),
+  problem.dx = grad_input.data_ptr();  // before planning: the path may depend on dx's alignment
+  const instance_norm::BackwardPlan plan = instance_norm::plan_backward(problem, path);
+  TORCH_CHECK(plan.valid(), "backward path ", text(static_cast<int>(path)),
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
-  problem.dx = grad_input.data_ptr();  // before choosing: the path may depend on dx's alignment
-  if (path == instance_norm::BackwardPath::kAuto) path = instance_norm::choose_backward_path(problem);
-  const size_t workspace_bytes = instance_norm::backward_workspace_bytes(problem, path);
-  at::Tensor workspace;
-  if (workspace_bytes > 0) {
-    workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, input.options().dtype(at::kByte));
-  }
+  const at::Tensor workspace = workspace_for(plan.workspace_bytes, input);
   // One allocation (each costs host time): the parameter gradients (2, C) first, at
   // storage offset 0 as the fake kernel's fresh tensor has it (compiled code may
   // address the output through its storage), then the two per-slice sums.
@@ -897,9 +898,9 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   const at::Tensor buffer = float_buffer(2 * channels + 2 * num_slices, input);
   problem.sum_dy = buffer.data_ptr<float>() + 2 * channels;
   problem.sum_dy_xhat = problem.sum_dy + num_slices;
-  problem.workspace = workspace_bytes > 0 ? workspace.data_ptr() : nullptr;
+  problem.workspace = workspace.defined() ? workspace.data_ptr() : nullptr;
   const cudaStream_t stream = current_stream(input.device());
-  C10_CUDA_CHECK(instance_norm::backward(problem, path, stream));
+  C10_CUDA_CHECK(instance_norm::backward(problem, plan, stream));
   const at::Tensor grad_parameters = buffer.as_strided({2, channels}, {channels, 1}, 0);
   if (channel_sums) {
     float* const grad_weight = buffer.data_ptr<float>();
@@ -974,25 +975,38 @@ bool backward_path_supported(const at::Tensor& input, int64_t path, bool residua
     problem.epilogue.activation = instance_norm::Activation::kRelu;
     problem.epilogue.residual = input.data_ptr();
   }
-  return instance_norm::backward_path_supported(static_cast<instance_norm::BackwardPath>(path), problem);
+  return instance_norm::plan_backward(problem, static_cast<instance_norm::BackwardPath>(path)).valid();
+}
+
+// The plan of `path` for this input on its device, made before y exists (y counts
+// as aligned); none for a path id out of range.
+std::optional<instance_norm::ForwardPlan> query_plan(const at::Tensor& input, int64_t path) {
+  const at::Tensor x = readable(input);
+  const instance_norm::Layout layout = check_kernel_input(x);
+  if (path < 0 || path >= instance_norm::kNumForwardPaths) return std::nullopt;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  return instance_norm::plan_forward(make_problem(x, layout, {}, {}, 0.0), static_cast<instance_norm::ForwardPath>(path));
 }
 
 // The path forward(input, ..., path=0) takes for this input on its device.
-int64_t chosen_path(const at::Tensor& input) {
-  const at::Tensor x = readable(input);
-  const instance_norm::Layout layout = check_kernel_input(x);
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  return static_cast<int64_t>(instance_norm::choose_forward_path(make_problem(x, layout, {}, {}, 0.0)));
-}
+int64_t chosen_path(const at::Tensor& input) { return static_cast<int64_t>(query_plan(input, 0)->path); }
 
 // Whether forward(input, ..., path) can run this input on its device.
 bool path_supported(const at::Tensor& input, int64_t path) {
-  const at::Tensor x = readable(input);
-  const instance_norm::Layout layout = check_kernel_input(x);
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  return path >= 0 && path < instance_norm::kNumForwardPaths &&
-         instance_norm::forward_path_supported(static_cast<instance_norm::ForwardPath>(path),
-                                               make_problem(x, layout, {}, {}, 0.0));
+  const std::optional<instance_norm::ForwardPlan> plan = query_plan(input, path);
+  return plan && plan->valid();
+}
+
+// Capacities per dtype name, as torch names the dtypes.
+template <typename Capacities, typename Entries>
+py::dict capacities_by_dtype(Capacities (*capacities)(instance_norm::DType), Entries entries) {
+  py::dict by_dtype;
+  for (const auto& [name, dtype] : {std::pair<const char*, instance_norm::DType>{"float32", instance_norm::DType::kFloat32},
+                                    {"float16", instance_norm::DType::kFloat16},
+                                    {"bfloat16", instance_norm::DType::kBFloat16}}) {
+    by_dtype[name] = entries(capacities(dtype));
+  }
+  return by_dtype;
 }
 
 }  // namespace
@@ -1084,6 +1098,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }
   m.attr("forward_paths") = forward_paths;
   m.attr("backward_paths") = backward_paths;
+  // {dtype name: {capacity: values}} of the sizes the paths' limits follow from
+  // (ForwardCapacities and BackwardCapacities in kernels/instance_norm.h).
+  m.attr("forward_capacities") =
+      capacities_by_dtype(&instance_norm::forward_capacities, [](const instance_norm::ForwardCapacities& c) {
+        py::dict entries;
+        entries["warp_spatial"] = c.warp_spatial;
+        entries["resident_cta"] = c.resident_cta;
+        entries["max_cluster_size"] = c.max_cluster_size;
+        entries["pipelined_cta"] = c.pipelined_cta;
+        return entries;
+      });
+  m.attr("backward_capacities") =
+      capacities_by_dtype(&instance_norm::backward_capacities, [](const instance_norm::BackwardCapacities& c) {
+        py::dict entries;
+        entries["block_spatial"] = c.block_spatial;
+        return entries;
+      });
+  m.def(
+      "plans_made",
+      [] {
+        const instance_norm::PlanCounts counts = instance_norm::plans_made();
+        py::dict made;
+        made["forward"] = counts.forward;
+        made["backward"] = counts.backward;
+        return made;
+      },
+      "Test hook: {'forward': n, 'backward': n}, the plans made in this process (every call of the ops and every "
+      "path query plans once)");
   m.def(
       "emulate_device",
       [](int major, int shared_per_cta, int shared_per_sm, int threads_per_sm) {

@@ -6,6 +6,7 @@
 #include "instance_norm.h"
 #include "pipelined.h"
 #include "split.h"
+#include "tuning.h"
 
 #include <algorithm>
 #include <utility>
@@ -87,7 +88,7 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
   return isfinite(m2) && mean_d * mean_d * count <= kShiftedSumsMaxShiftStds * kShiftedSumsMaxShiftStds * m2;
 }
 
-// Block path: one CTA per slice (block_fits below says where it runs, block_preferred
+// Block path: one CTA per slice (block_plan below says where it runs, block_preferred
 // where the chooser takes it), the slice held in shared memory (spatial * sizeof(T)
 // bytes, rounded up to 16, of dynamic shared memory), so an SM holds as many slices
 // at once as its shared memory and 2,048 threads allow (on an H200 three 64 KB fp32
@@ -514,20 +515,33 @@ bool resident_supported(TeamKind team, const ForwardProblem& p) {
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }
 
-// The smallest variant that holds the slice: a warp of 32 x {2, 8, 32} values.
-cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
-  return dispatch_dtype(p.dtype, [&](auto tag) {
+using Kernel = void (*)(const ForwardProblem);
+
+// The warp path: the smallest variant that holds the slice (a warp of 32 x {2, 8,
+// 32} values), a warp per slice.
+ForwardPlan warp_plan(const ForwardProblem& p) {
+  ForwardPlan plan{};
+  if (p.layout != Layout::kContiguous || p.spatial > kWarpMaxSpatial) return plan;
+  Kernel kernel = nullptr;
+  dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const auto launch = [&](auto values) {
+    const auto variant = [&](auto values) -> Kernel {
       constexpr int kValues = decltype(values)::value;
-      const auto kernel = p.epilogue.active() ? forward_warp_kernel<T, kValues, true> : forward_warp_kernel<T, kValues, false>;
-      kernel<<<grid_for(p.num_slices(), kWarpPathThreads / kWarpSize), kWarpPathThreads, 0, stream>>>(p);
-      return cudaGetLastError();
+      return p.epilogue.active() ? forward_warp_kernel<T, kValues, true> : forward_warp_kernel<T, kValues, false>;
     };
-    if (p.spatial <= 2 * kWarpSize) return launch(cuda::std::integral_constant<int, 2>());
-    if (p.spatial <= 8 * kWarpSize) return launch(cuda::std::integral_constant<int, 8>());
-    return launch(cuda::std::integral_constant<int, 32>());
+    if (p.spatial <= 2 * kWarpSize) {
+      kernel = variant(cuda::std::integral_constant<int, 2>());
+    } else if (p.spatial <= 8 * kWarpSize) {
+      kernel = variant(cuda::std::integral_constant<int, 8>());
+    } else {
+      kernel = variant(cuda::std::integral_constant<int, 32>());
+    }
+    return cudaSuccess;
   });
+  plan.path = ForwardPath::kWarp;
+  plan.launch = {LaunchKind::kPlain, kernel, grid_for(p.num_slices(), kWarpPathThreads / kWarpSize), kWarpPathThreads,
+                 0, 0, 0};
+  return plan;
 }
 
 // The block path's launch: 128-thread CTAs for contiguous slices whose copy lets
@@ -537,28 +551,13 @@ cudaError_t launch_warp(const ForwardProblem& p, cudaStream_t stream) {
 // largest that gives each thread at least kBlockVectorsPerThread 16-byte vectors of
 // its slice or tile, so large slices take 512-thread CTAs, up to four per SM; dynamic
 // shared memory for the slice (rounded up to 16 bytes) or the channels-last tile
-// (kChannelsLastTileVectors 16-byte vectors per position). Why: small CTAs, six or
-// more to an SM, keep more slices' loads in flight than a few large ones, and won on
-// every slice size where six fit; at five per SM and below they lost to 512-thread
-// CTAs, and with fewer than four slices per SM the two split by shape
-// (docs/perf-notes.md #54, #83-#85, with the measurements). Channels-last tiles keep
-// the vectors rule (not measured).
-struct BlockLaunch {
-  void (*kernel)(const ForwardProblem);
-  int threads;
-  int shared_bytes;
-};
-constexpr int kBlockVectorsPerThread = 4;
-constexpr int kBlockSmallCtasPerSm = 6;
-constexpr int kBlockSmallMinSlicesPerSm = 4;
+// (kChannelsLastTileVectors 16-byte vectors per position); one CTA per slice or tile,
+// grid-stride. Why (kernels/tuning.h): small CTAs, six or more to an SM, keep more
+// slices' loads in flight than a few large ones. Channels-last tiles keep the vectors
+// rule (not measured).
 constexpr int kChannelsLastTileVectors = 2;  // 32-byte rows: 8 fp32 or 16 fp16/bf16 channels
 // Larger slices never take the block path (no GPU has this much shared memory per CTA).
 constexpr int64_t kBlockMaxBytes = 1 << 20;
-// The largest channels-last tile the chooser gives the block path (it runs larger ones
-// when forced). One CTA per SM cannot overlap its tile's load, reductions and store:
-// above 128 KB tiles the split path was as fast or faster, below it slower
-// (docs/perf-notes.md #59).
-constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
 
 // Shared-memory bytes of the block path's slice or tile (at most kBlockMaxBytes + 15).
 int64_t block_bytes(const ForwardProblem& p) {
@@ -566,45 +565,38 @@ int64_t block_bytes(const ForwardProblem& p) {
   return (p.spatial * element_bytes(p.dtype) + 15) / 16 * 16;
 }
 
+// CTAs of the block path: one per slice, or per channels-last tile.
+int64_t block_work(const ForwardProblem& p) {
+  if (p.layout == Layout::kContiguous) return p.num_slices();
+  const int64_t pixel_vectors = p.num_channels / values_per_vector(p.dtype);
+  return p.batch * ((pixel_vectors + kChannelsLastTileVectors - 1) / kChannelsLastTileVectors);
+}
+
+// How many CTAs of a plain launch fit one SM at once; also raises the kernel's
+// shared-memory limit (ctas_per_sm).
+int launch_ctas_per_sm(const KernelLaunch<ForwardProblem>& launch) {
+  return ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes);
+}
+
 template <typename T>
-BlockLaunch block_launch_for(const ForwardProblem& p) {
+KernelLaunch<ForwardProblem> block_launch_for(const ForwardProblem& p) {
   const int shared_bytes = static_cast<int>(block_bytes(p));
   const int64_t vectors = shared_bytes / 16;
-  const auto launch = [&](auto threads) -> BlockLaunch {
+  const auto launch = [&](auto threads) -> KernelLaunch<ForwardProblem> {
     constexpr int kThreads = decltype(threads)::value;
-    if (p.layout == Layout::kChannelsLast) {
-      return {forward_block_channels_last_kernel<T, kThreads, kChannelsLastTileVectors>, kThreads, shared_bytes};
-    }
-    return {forward_block_kernel<T, kThreads>, kThreads, shared_bytes};
+    const Kernel kernel = p.layout == Layout::kChannelsLast
+                              ? forward_block_channels_last_kernel<T, kThreads, kChannelsLastTileVectors>
+                              : forward_block_kernel<T, kThreads>;
+    return {LaunchKind::kPlain, kernel, grid_for(block_work(p), 1), kThreads, shared_bytes, 0, 0};
   };
   const int sms = current_sm_count();
   if (p.layout == Layout::kContiguous && sms > 0 && p.num_slices() >= int64_t{kBlockSmallMinSlicesPerSm} * sms) {
-    const BlockLaunch small = launch(cuda::std::integral_constant<int, 128>());
-    if (ctas_per_sm(reinterpret_cast<const void*>(small.kernel), small.threads, shared_bytes) >= kBlockSmallCtasPerSm) {
-      return small;
-    }
+    const KernelLaunch<ForwardProblem> small = launch(cuda::std::integral_constant<int, 128>());
+    if (launch_ctas_per_sm(small) >= kBlockSmallCtasPerSm) return small;
   }
   if (vectors >= 512 * kBlockVectorsPerThread) return launch(cuda::std::integral_constant<int, 512>());
   if (vectors >= 256 * kBlockVectorsPerThread) return launch(cuda::std::integral_constant<int, 256>());
   return launch(cuda::std::integral_constant<int, 128>());
-}
-
-// The block path's launch for p's dtype (kernel nullptr for none: then no CTA fits).
-BlockLaunch block_launch(const ForwardProblem& p) {
-  BlockLaunch launch{nullptr, 0, 0};
-  dispatch_dtype(p.dtype, [&](auto tag) {
-    launch = block_launch_for<decltype(tag)>(p);
-    return cudaSuccess;
-  });
-  return launch;
-}
-
-// Block-path CTAs that fit one SM at once (0 where the slice or tile does not fit a
-// CTA); also raises the kernel's shared-memory limit (ctas_per_sm).
-int block_ctas_per_sm(const ForwardProblem& p) {
-  if (block_bytes(p) > kBlockMaxBytes) return 0;
-  const BlockLaunch launch = block_launch(p);
-  return ctas_per_sm(reinterpret_cast<const void*>(launch.kernel), launch.threads, launch.shared_bytes);
 }
 
 // The block path's layout conditions: any contiguous input; channels-last with
@@ -618,22 +610,45 @@ bool block_input_supported(const ForwardProblem& p) {
 // fits one CTA on the current device: on an H200 up to about 227 KB, 58,000 fp32 or
 // 116,000 fp16/bf16 values; and channels-last input (block_input_supported) where one
 // tile fits a CTA (on an H200 up to about 7,200 positions).
-bool block_fits(const ForwardProblem& p) { return block_input_supported(p) && block_ctas_per_sm(p) >= 1; }
+ForwardPlan block_plan(const ForwardProblem& p) {
+  ForwardPlan plan{};
+  if (!block_input_supported(p) || block_bytes(p) > kBlockMaxBytes) return plan;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    plan.launch = block_launch_for<decltype(tag)>(p);
+    return cudaSuccess;
+  });
+  if (plan.launch.kernel != nullptr && launch_ctas_per_sm(plan.launch) >= 1) plan.path = ForwardPath::kBlock;
+  return plan;
+}
 
-// Where the chooser gives a slice the block path (measured on an H200,
-// docs/perf-notes.md #54, #55, #59). Slices whose copies leave room for two or more
-// CTAs per SM (up to about 113 KB: 28,888 fp32 or 57,776 16-bit values): one CTA's
-// reductions overlap another's reads and writes. Larger ones run one CTA per SM:
-// faster than a cluster of two or more CTAs (and than the split path's two reads),
-// slower than a resident team of one CTA, whose slice sits in registers, where there
-// are more slices than teams (the team stages its next slice while it writes the
-// current one), so those keep their team unless the slices fit one round of teams.
-// Channels-last tiles up to kChannelsLastChosenMaxBytes.
-bool block_preferred(const ForwardProblem& p) {
-  const int ctas = block_input_supported(p) ? block_ctas_per_sm(p) : 0;
-  if (ctas == 0) return false;
+// The cluster or cooperative path, where resident_supported.
+ForwardPlan resident_plan(TeamKind team, const ForwardProblem& p) {
+  ForwardPlan plan{};
+  if (!resident_supported(team, p)) return plan;
+  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
+  if (team == TeamKind::kCluster) {
+    plan.path = ForwardPath::kCluster;
+    variant.plan_cluster(p, plan);
+  } else {
+    plan.path = ForwardPath::kCooperative;
+    variant.plan_cooperative(p, plan);
+  }
+  return plan;
+}
+
+// Where the chooser gives a slice the block path (block: block_plan(p); measured on
+// an H200, docs/perf-notes.md #54, #55, #59). Slices whose copies leave room for two
+// or more CTAs per SM (up to about 113 KB: 28,888 fp32 or 57,776 16-bit values): one
+// CTA's reductions overlap another's reads and writes. Larger ones run one CTA per
+// SM: faster than a cluster of two or more CTAs (and than the split path's two
+// reads), slower than a resident team of one CTA, whose slice sits in registers,
+// where there are more slices than teams (the team stages its next slice while it
+// writes the current one), so those keep their team unless the slices fit one round
+// of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes (kernels/tuning.h).
+bool block_preferred(const ForwardProblem& p, const ForwardPlan& block) {
+  if (!block.valid()) return false;
   if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;
-  if (ctas >= 2) return true;
+  if (launch_ctas_per_sm(block.launch) >= 2) return true;
   const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
   if (variant.team_size(p.spatial) > 1) return true;
   // A one-CTA team gains from its later rounds, where its staging of the next slice
@@ -651,93 +666,85 @@ bool block_preferred(const ForwardProblem& p) {
 // Where slices exceed a cluster, the pipelined path in fp32 where it keeps at least as
 // many SMs busy as cooperative teams and its teams take kPipelinedMinRounds slices or
 // more (the busiest; the others at most one fewer): its first three rounds only read,
-// its last three only write, so it needs enough rounds to amortize them: it led the
-// cooperative path from 3 rounds on and lost at 2. In 16-bit it was slower than the
-// cooperative path, which 16-bit slices keep (docs/perf-notes.md #75, #80, #81).
-constexpr int64_t kPipelinedMinRounds = 3;
-bool pipelined_preferred(const ForwardProblem& p) {
-  if (p.dtype != DType::kFloat32 || !resident_supported(TeamKind::kCooperative, p)) return false;
-  const PipelinedPlan plan = pipelined_plan(p);
-  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
-  return plan.teams > 0 && plan.rounds >= kPipelinedMinRounds &&
-         plan.teams * plan.team_size >= variant.cooperative_teams(p) * variant.team_size(p.spatial);
+// its last three only write, so it needs enough rounds to amortize them
+// (kernels/tuning.h). In 16-bit it was slower than the cooperative path, which 16-bit
+// slices keep (docs/perf-notes.md #75, #80, #81).
+bool pipelined_preferred(const ForwardPlan& pipelined, const ForwardPlan& cooperative) {
+  return pipelined.valid() && cooperative.valid() && pipelined.rounds >= kPipelinedMinRounds &&
+         pipelined.teams * pipelined.team_size >= cooperative.teams * cooperative.team_size;
 }
-
-// Only after block_fits(p), which also raises the kernel's shared-memory limit.
-cudaError_t launch_block(const ForwardProblem& p, cudaStream_t stream) {
-  const BlockLaunch launch = block_launch(p);
-  const int64_t work = p.layout == Layout::kChannelsLast
-                           ? p.batch * ((p.num_channels / values_per_vector(p.dtype) + kChannelsLastTileVectors - 1) /
-                                        kChannelsLastTileVectors)
-                           : p.num_slices();
-  launch.kernel<<<grid_for(work, 1), launch.threads, launch.shared_bytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
-}  // namespace forward_detail
 
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
 
 // Slices that fit a warp take the warp path; larger ones the block path where
 // block_preferred, else the cluster path where it runs, else the pipelined path where
-// pipelined_preferred, else cooperative teams where the slice fits the resident CTAs,
-// else the split path. Channels-last input takes the block path where
+// pipelined_preferred (fp32 only), else cooperative teams where the slice fits the
+// resident CTAs, else the split path. Channels-last input takes the block path where
 // block_preferred, else the split path.
-ForwardPath choose_forward_path(const ForwardProblem& problem) {
-  using namespace forward_detail;
-  if (problem.layout != Layout::kContiguous) return block_preferred(problem) ? ForwardPath::kBlock : ForwardPath::kSplit;
-  if (problem.spatial <= kWarpMaxSpatial) return ForwardPath::kWarp;
-  if (block_preferred(problem)) return ForwardPath::kBlock;
-  if (resident_supported(TeamKind::kCluster, problem)) return ForwardPath::kCluster;
-  if (pipelined_preferred(problem)) return ForwardPath::kPipelined;
-  return resident_supported(TeamKind::kCooperative, problem) ? ForwardPath::kCooperative : ForwardPath::kSplit;
+ForwardPlan chosen_plan(const ForwardProblem& p) {
+  if (p.layout != Layout::kContiguous) {
+    const ForwardPlan block = block_plan(p);
+    return block_preferred(p, block) ? block : split_plan(p);
+  }
+  if (p.spatial <= kWarpMaxSpatial) return warp_plan(p);
+  const ForwardPlan block = block_plan(p);
+  if (block_preferred(p, block)) return block;
+  const ForwardPlan cluster = resident_plan(TeamKind::kCluster, p);
+  if (cluster.valid()) return cluster;
+  const ForwardPlan cooperative = resident_plan(TeamKind::kCooperative, p);
+  if (p.dtype == DType::kFloat32 && cooperative.valid()) {
+    const ForwardPlan pipelined = pipelined_plan(p);
+    if (pipelined_preferred(pipelined, cooperative)) return pipelined;
+  }
+  return cooperative.valid() ? cooperative : split_plan(p);
 }
 
-bool forward_path_supported(ForwardPath path, const ForwardProblem& problem) {
-  using namespace forward_detail;
-  // An empty problem needs no kernel: forward() returns at once on every path.
-  if (problem.num_slices() <= 0 || problem.spatial <= 0) return true;
-  const bool contiguous = problem.layout == Layout::kContiguous;
+// The plan of `path` (kAuto: the chooser's), invalid where it cannot run p.
+ForwardPlan path_plan(ForwardPath path, const ForwardProblem& p) {
   switch (path) {
-    case ForwardPath::kAuto: return true;
-    case ForwardPath::kBlock: return block_fits(problem);
-    case ForwardPath::kCluster: return resident_supported(TeamKind::kCluster, problem);
-    case ForwardPath::kCooperative: return resident_supported(TeamKind::kCooperative, problem);
-    case ForwardPath::kWarp: return contiguous && problem.spatial <= kWarpMaxSpatial;
-    case ForwardPath::kSplit: return split_supported(problem);
-    case ForwardPath::kPipelined: return pipelined_plan(problem).teams > 0;
+    case ForwardPath::kAuto: return chosen_plan(p);
+    case ForwardPath::kBlock: return block_plan(p);
+    case ForwardPath::kCluster: return resident_plan(TeamKind::kCluster, p);
+    case ForwardPath::kWarp: return warp_plan(p);
+    case ForwardPath::kSplit: return split_supported(p) ? split_plan(p) : ForwardPlan{};
+    case ForwardPath::kCooperative: return resident_plan(TeamKind::kCooperative, p);
+    case ForwardPath::kPipelined: return pipelined_plan(p);
   }
-  return false;
+  return {};
 }
 
-size_t forward_workspace_bytes(const ForwardProblem& problem, ForwardPath path) {
+}  // namespace forward_detail
+
+ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced) {
   using namespace forward_detail;
-  if (problem.num_slices() <= 0 || problem.spatial <= 0) return 0;
-  if (path == ForwardPath::kAuto) path = choose_forward_path(problem);
-  if (problem.running_mean != nullptr || path == ForwardPath::kSplit) return split_workspace_bytes(problem);
-  if (path == ForwardPath::kCooperative) {
-    return variant_for(kResidentVariants, problem.dtype).cooperative_workspace_bytes(problem);
+  ++plan_counters().forward;
+  if (problem.num_slices() <= 0 || problem.spatial <= 0) {
+    ForwardPlan plan{};  // nothing to launch, on any path
+    plan.path = forced == ForwardPath::kAuto ? chosen_plan(problem).path : forced;
+    return plan;
   }
-  if (path == ForwardPath::kPipelined) return pipelined_workspace_bytes(problem);
-  return 0;
+  // With running statistics (eval) every path is the same elementwise sweep, the
+  // split path's; a forced path must still be one that runs the problem.
+  if (problem.running_mean != nullptr) {
+    return forced == ForwardPath::kAuto || path_plan(forced, problem).valid() ? split_plan(problem) : ForwardPlan{};
+  }
+  return path_plan(forced, problem);
 }
 
-// With running statistics (eval) every path is the same elementwise sweep.
-cudaError_t forward(const ForwardProblem& problem, ForwardPath path, cudaStream_t stream) {
-  using namespace forward_detail;
+cudaError_t forward(const ForwardProblem& problem, const ForwardPlan& plan, cudaStream_t stream) {
   if (problem.num_slices() <= 0 || problem.spatial <= 0) return cudaSuccess;
-  if (problem.y == nullptr || !forward_path_supported(path, problem)) return cudaErrorInvalidValue;
-  if (path == ForwardPath::kAuto) path = choose_forward_path(problem);
-  if (problem.running_mean != nullptr || path == ForwardPath::kSplit) return launch_split(problem, stream);
-  switch (path) {
-    case ForwardPath::kBlock: return launch_block(problem, stream);
-    case ForwardPath::kWarp: return launch_warp(problem, stream);
-    case ForwardPath::kPipelined: return launch_pipelined(problem, stream);
-    case ForwardPath::kCooperative:
-      return variant_for(kResidentVariants, problem.dtype).launch_cooperative(problem, stream);
-    default: return variant_for(kResidentVariants, problem.dtype).launch_cluster(problem, stream);
-  }
+  if (problem.y == nullptr || !plan.valid()) return cudaErrorInvalidValue;
+  if (plan.path == ForwardPath::kSplit) return launch_split(problem, plan.split, stream);
+  return launch_kernel(plan.launch, problem, stream);
 }
+
+ForwardCapacities forward_capacities(DType dtype) {
+  using namespace forward_detail;
+  return {kWarpMaxSpatial, variant_for(kResidentVariants, dtype).cta_capacity, kMaxClusterSize,
+          pipelined_cta_capacity(dtype)};
+}
+
+PlanCounts plans_made() { return {plan_counters().forward.load(), plan_counters().backward.load()}; }
 
 void emulate_device(const EmulatedDevice& device) {
   emulation().device = device;

@@ -273,34 +273,28 @@ int resident_ctas(DType dtype) {
 
 }  // namespace pipelined_detail
 
-PipelinedPlan pipelined_plan(const ForwardProblem& p) {
+int64_t pipelined_cta_capacity(DType dtype) {
   using namespace pipelined_detail;
-  const int size = team_size_for(p.spatial, kDataThreads * kVectors * values_per_vector(p.dtype));
+  return int64_t{kDataThreads} * kVectors * values_per_vector(dtype);
+}
+
+ForwardPlan pipelined_plan(const ForwardProblem& p) {
+  using namespace pipelined_detail;
+  ForwardPlan plan{};
+  const int size = team_size_for(p.spatial, static_cast<int>(pipelined_cta_capacity(p.dtype)));
   const int resident = resident_ctas(p.dtype);
   if (p.layout != Layout::kContiguous || !vector_aligned(p) || size <= 0 || size > resident || p.num_slices() <= 0) {
-    return {size, 0, 0};
+    return plan;
   }
-  const int64_t teams = std::min<int64_t>(p.num_slices(), resident / size);
-  return {size, teams, (p.num_slices() + teams - 1) / teams};
-}
-
-size_t pipelined_workspace_bytes(const ForwardProblem& p) {
-  using namespace pipelined_detail;
-  const PipelinedPlan plan = pipelined_plan(p);
-  return counter_bytes(plan.teams) +
-         static_cast<size_t>(plan.teams * kTotalRounds * plan.team_size) * sizeof(SliceStats);
-}
-
-cudaError_t launch_pipelined(const ForwardProblem& p, cudaStream_t stream) {
-  using namespace pipelined_detail;
-  const PipelinedPlan plan = pipelined_plan(p);
-  if (plan.teams == 0 || p.workspace == nullptr) return cudaErrorInvalidValue;
-  const cudaError_t error = cudaMemsetAsync(p.workspace, 0, counter_bytes(plan.teams), stream);
-  if (error != cudaSuccess) return error;
-  cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config = cooperative_launch_config(static_cast<unsigned>(plan.teams * plan.team_size),
-                                                              kThreads, kSharedBytes, stream, &attribute);
-  return cudaLaunchKernelEx(&config, kernel_for(p.dtype), p);
+  plan.path = ForwardPath::kPipelined;
+  plan.team_size = size;
+  plan.teams = std::min<int64_t>(p.num_slices(), resident / size);
+  plan.rounds = (p.num_slices() + plan.teams - 1) / plan.teams;
+  const size_t counters = counter_bytes(plan.teams);
+  plan.workspace_bytes = counters + static_cast<size_t>(plan.teams * kTotalRounds * size) * sizeof(SliceStats);
+  plan.launch = {LaunchKind::kCooperative, kernel_for(p.dtype), static_cast<unsigned>(plan.teams * size), kThreads,
+                 kSharedBytes, 0, counters};
+  return plan;
 }
 
 }  // namespace instance_norm

@@ -257,18 +257,16 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, Layout LAYOUT>
-cudaError_t launch_normalize(const ForwardProblem& p, const float4* slice_stats, cudaStream_t stream) {
+cudaError_t launch_normalize(const ForwardProblem& p, const SplitPlan& plan, const float4* slice_stats,
+                             cudaStream_t stream) {
   constexpr int kVector = Storage<T>::kPerVector;
   const int64_t row_length = LAYOUT == Layout::kContiguous ? p.spatial : p.num_channels;
-  const bool vectors = row_length % kVector == 0 && aligned16(p.x) && aligned16(p.y);
-  const int v = vectors ? kVector : 1;
-  const FastDivider columns(static_cast<unsigned>(row_length / v));
+  const FastDivider columns(static_cast<unsigned>(row_length / plan.sweep_unit));
   const FastDivider spatial(static_cast<unsigned>(p.spatial));
-  const unsigned grid = grid_for(p.num_slices() * p.spatial / v, kSweepTile);
-  if (vectors) {
-    normalize_kernel<T, LAYOUT, kVector><<<grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
+  if (plan.sweep_unit == kVector) {
+    normalize_kernel<T, LAYOUT, kVector><<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
   } else {
-    normalize_kernel<T, LAYOUT, 1><<<grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
+    normalize_kernel<T, LAYOUT, 1><<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
   }
   return cudaGetLastError();
 }
@@ -314,43 +312,55 @@ bool split_supported(const ForwardProblem& p) {
   return p.spatial < (int64_t{1} << 30) && p.num_channels < (int64_t{1} << 30);
 }
 
-size_t split_workspace_bytes(const ForwardProblem& p) {
+ForwardPlan split_plan(const ForwardProblem& p) {
   using namespace split_detail;
-  return static_cast<size_t>(partials_bytes(p) + p.num_slices() * static_cast<int64_t>(sizeof(float4)));
+  ForwardPlan plan{};
+  plan.path = ForwardPath::kSplit;
+  SplitPlan& split = plan.split;
+  const int vector = values_per_vector(p.dtype);
+  const bool contiguous = p.layout == Layout::kContiguous;
+  split.chunks = chunks_per_slice(p);
+  split.partials_bytes = static_cast<size_t>(partials_bytes(p));
+  plan.workspace_bytes = split.partials_bytes + static_cast<size_t>(p.num_slices()) * sizeof(float4);
+  split.vector_stats = contiguous && p.spatial % vector == 0 && aligned16(p.x);
+  const int64_t channel_tiles = (p.num_channels + kTileChannels - 1) / kTileChannels;
+  split.stats_grid = grid_for(contiguous ? p.num_slices() * split.chunks : p.batch * split.chunks * channel_tiles, 1);
+  split.combine_grid = grid_for(p.num_slices(), kThreads / kWarpSize);
+  // The sweep's rows: slices (contiguous) or positions (channels-last).
+  const int64_t row_length = contiguous ? p.spatial : p.num_channels;
+  split.sweep_unit = row_length % vector == 0 && aligned16(p.x) && aligned16(p.y) ? vector : 1;
+  split.sweep_grid = grid_for(p.num_slices() * p.spatial / split.sweep_unit, kSweepTile);
+  return plan;
 }
 
-cudaError_t launch_split(const ForwardProblem& p, cudaStream_t stream) {
+cudaError_t launch_split(const ForwardProblem& p, const SplitPlan& plan, cudaStream_t stream) {
   using namespace split_detail;
   if (p.workspace == nullptr || !aligned16(p.workspace)) return cudaErrorInvalidValue;
   auto* partials = static_cast<SliceStats*>(p.workspace);
-  auto* slice_stats = reinterpret_cast<float4*>(static_cast<char*>(p.workspace) + partials_bytes(p));
-  const int64_t chunks = chunks_per_slice(p);
+  auto* slice_stats = reinterpret_cast<float4*>(static_cast<char*>(p.workspace) + plan.partials_bytes);
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const bool contiguous = p.layout == Layout::kContiguous;
     if (p.running_mean == nullptr) {
       if (contiguous) {
         constexpr int kVector = Storage<T>::kPerVector;
-        const unsigned grid = grid_for(p.num_slices() * chunks, 1);
-        if (p.spatial % kVector == 0 && aligned16(p.x)) {
-          partial_stats_contiguous_kernel<T, kVector><<<grid, kThreads, 0, stream>>>(p, chunks, partials);
+        if (plan.vector_stats) {
+          partial_stats_contiguous_kernel<T, kVector><<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks,
+                                                                                                partials);
         } else {
-          partial_stats_contiguous_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p, chunks, partials);
+          partial_stats_contiguous_kernel<T, 1><<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
         }
       } else {
-        const int64_t channel_tiles = (p.num_channels + kTileChannels - 1) / kTileChannels;
-        partial_stats_channels_last_kernel<T><<<grid_for(p.batch * chunks * channel_tiles, 1), kThreads, 0, stream>>>(
-            p, chunks, partials);
+        partial_stats_channels_last_kernel<T><<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
       }
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
-    slice_stats_kernel<T><<<grid_for(p.num_slices(), kThreads / kWarpSize), kThreads, 0, stream>>>(p, chunks, partials,
-                                                                                              slice_stats);
+    slice_stats_kernel<T><<<plan.combine_grid, kThreads, 0, stream>>>(p, plan.chunks, partials, slice_stats);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
-    return contiguous ? launch_normalize<T, Layout::kContiguous>(p, slice_stats, stream)
-                      : launch_normalize<T, Layout::kChannelsLast>(p, slice_stats, stream);
+    return contiguous ? launch_normalize<T, Layout::kContiguous>(p, plan, slice_stats, stream)
+                      : launch_normalize<T, Layout::kChannelsLast>(p, plan, slice_stats, stream);
   });
 }
 

@@ -1,10 +1,16 @@
-"""Float64 references and helpers shared by the GPU tests."""
+"""Float64 references and helpers shared by the GPU tests; the kernel paths' ids and
+capacities as the extension exports them (tests/conftest.py has it built)."""
 import torch
 
+import solution
+
 # Kernel paths (kernels/instance_norm.h, ForwardPath and BackwardPath).
-BLOCK, CLUSTER, WARP, SPLIT, COOPERATIVE, PIPELINED = 1, 2, 3, 4, 5, 6
+_FORWARD_IDS, _BACKWARD_IDS = solution._EXT.forward_paths, solution._EXT.backward_paths
+BLOCK, CLUSTER, WARP, SPLIT, COOPERATIVE, PIPELINED = (
+    _FORWARD_IDS[name] for name in ("block", "cluster", "warp", "split", "cooperative", "pipelined"))
 FORWARD_PATHS = (BLOCK, CLUSTER, WARP, SPLIT, COOPERATIVE, PIPELINED)
-BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_BLOCK = 1, 2, 3, 4
+BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_BLOCK = (
+    _BACKWARD_IDS[name] for name in ("generic", "cluster", "cooperative", "block"))
 BACKWARD_PATHS = (BACKWARD_GENERIC, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_BLOCK)
 # Paths that need Hopper (sm_90: clusters, bulk copies); other GPUs, and the GPUs
 # INSTANCE_NORM_EMULATE names, run the rest.
@@ -14,6 +20,16 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Max abs error against float64 allowed per dtype: fp32 arithmetic, or one rounding of
 # the output (|y| up to ~5 for these inputs) to the 16-bit type.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def forward_capacity(name):
+    """{dtype: values} of one of the forward's capacities (ForwardCapacities in kernels/instance_norm.h)."""
+    return {dtype: solution._EXT.forward_capacities[str(dtype).removeprefix("torch.")][name] for dtype in DTYPES}
+
+
+def backward_capacity(name):
+    """{dtype: values} of one of the backward's capacities (BackwardCapacities)."""
+    return {dtype: solution._EXT.backward_capacities[str(dtype).removeprefix("torch.")][name] for dtype in DTYPES}
 
 
 def hopper(solution):

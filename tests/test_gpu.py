@@ -7,7 +7,7 @@ import torch
 import math
 
 from reference import (BLOCK, CLUSTER, COOPERATIVE, DTYPES, FORWARD_PATHS, PIPELINED, SPLIT, TOLERANCE, WARP, hopper,
-                       channels_last, float64_reference, float64_stats, run_poisoned)
+                       channels_last, float64_reference, float64_stats, forward_capacity, run_poisoned)
 
 pytestmark = pytest.mark.gpu
 
@@ -41,12 +41,14 @@ def check_paths(solution, x, weight=None, bias=None, expect_paths=None):
     return paths
 
 
-# Largest slice each path holds (kernels/instance_norm.h); the cluster path also
-# needs spatial to be a multiple of the 16-byte vector (4 fp32, 8 fp16/bf16 values).
-WARP_MAX = 1024
-CTA_CAPACITY = {torch.float32: 512 * 64, torch.float16: 512 * 128, torch.bfloat16: 512 * 128}
-# The pipelined path's part of a slice per CTA: 512 threads x 8 16-byte vectors.
-PIPELINED_CTA_CAPACITY = {torch.float32: 512 * 32, torch.float16: 512 * 64, torch.bfloat16: 512 * 64}
+# Largest slice each path holds (kernels/instance_norm.h, ForwardCapacities); the
+# cluster path also needs spatial to be a multiple of the 16-byte vector (4 fp32, 8
+# fp16/bf16 values).
+WARP_MAX = forward_capacity("warp_spatial")[torch.float32]
+CTA_CAPACITY = forward_capacity("resident_cta")
+MAX_CLUSTER_SIZE = forward_capacity("max_cluster_size")[torch.float32]
+# The pipelined path's part of a slice per CTA.
+PIPELINED_CTA_CAPACITY = forward_capacity("pipelined_cta")
 
 
 def block_fits(solution, spatial, dtype):
@@ -76,7 +78,7 @@ def expected_paths(solution, shape, dtype):
         paths.add(WARP)
     if spatial % (4 if dtype == torch.float32 else 8) == 0:
         ctas = -(-spatial // CTA_CAPACITY[dtype])
-        if ctas <= 16 and hopper(solution):
+        if ctas <= MAX_CLUSTER_SIZE and hopper(solution):
             paths.add(CLUSTER)
         if ctas <= sms and CTA_CAPACITY[dtype] * torch.finfo(dtype).bits // 8 < shared_per_cta(solution):
             paths.add(COOPERATIVE)

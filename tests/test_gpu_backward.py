@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from reference import (BACKWARD_BLOCK, BACKWARD_CLUSTER, BACKWARD_GENERIC, BACKWARD_PATHS, DTYPES, channels_last,
-                       float64_reference, hopper, run_poisoned)
+from reference import (BACKWARD_BLOCK, BACKWARD_CLUSTER, BACKWARD_GENERIC, BACKWARD_PATHS, DTYPES, backward_capacity,
+                       channels_last, float64_reference, hopper, run_poisoned)
 
 pytestmark = pytest.mark.gpu
 # Max abs error of gradients relative to the float64 gradient's largest magnitude.
@@ -290,5 +290,5 @@ def test_small_slices_can_take_the_block_path(solution, shape, dtype):
     x = torch.empty(shape, device="cuda", dtype=dtype)
     assert BACKWARD_BLOCK in backward_paths(solution, x)
     per_vector = 16 // x.element_size()
-    too_large = torch.empty(2, 3, 512 * 8 * per_vector + per_vector, device="cuda", dtype=dtype)
+    too_large = torch.empty(2, 3, backward_capacity("block_spatial")[dtype] + per_vector, device="cuda", dtype=dtype)
     assert BACKWARD_BLOCK not in backward_paths(solution, too_large)

@@ -140,3 +140,41 @@ def test_value_errors_from_cpp_name_the_argument(solution):
         solution.instance_norm(torch.rand(2, 3, device="cuda"))
     with pytest.raises(RuntimeError, match="eps must be >= 0"):
         solution.instance_norm(torch.rand(2, 3, 4, 4, device="cuda"), eps=-1.0)
+
+
+def plans_made(solution):
+    made = solution._EXT.plans_made()
+    return made["forward"], made["backward"]
+
+
+# (shape, memory format) with the automatic path an H200 takes (tests/test_gpu.py,
+# test_automatic_path_per_size_on_hopper): warp, block (contiguous and channels-last),
+# cluster, cooperative, pipelined, split.
+PLANNED_SHAPES = [((2, 3, 33, 31), torch.contiguous_format), ((2, 3, 45, 45), torch.contiguous_format),
+                  ((2, 16, 64, 64), torch.channels_last), ((2, 4, 256, 256), torch.contiguous_format),
+                  ((1, 2, 1024, 1024), torch.contiguous_format), ((2, 3, 1024, 1024), torch.contiguous_format),
+                  ((2, 3, 301, 301), torch.contiguous_format)]
+
+
+def test_each_call_plans_once(solution):
+    """One call of the forward (training and eval) plans its launch once, one call of
+    the backward once: the entry plans, allocates and launches the plan, and no step
+    chooses or derives again (kernels/instance_norm_entry.cpp, run_forward)."""
+    from reference import FORWARD_PATHS, hopper
+    chosen = set()
+    for shape, memory_format in PLANNED_SHAPES:
+        x = torch.randn(shape, device="cuda").contiguous(memory_format=memory_format).requires_grad_()
+        weight = torch.rand(shape[1], device="cuda", requires_grad=True)
+        bias = torch.rand(shape[1], device="cuda", requires_grad=True)
+        chosen.add(solution._EXT.chosen_path(x))
+        forward, backward = plans_made(solution)
+        y = solution.instance_norm(x, weight=weight, bias=bias)
+        assert plans_made(solution) == (forward + 1, backward), shape
+        y.backward(torch.randn_like(y))
+        assert plans_made(solution) == (forward + 1, backward + 1), shape
+        mean, var = torch.zeros(shape[1], device="cuda"), torch.ones(shape[1], device="cuda")
+        with torch.no_grad():
+            solution.instance_norm(x, mean, var, weight, bias, use_input_stats=False)
+        assert plans_made(solution) == (forward + 2, backward + 1), shape
+    if hopper(solution):
+        assert chosen == set(FORWARD_PATHS), chosen

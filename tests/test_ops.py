@@ -75,15 +75,19 @@ def test_errors_are_raised_while_tracing(solution):
         traced_ops(lambda x, weight: solution.instance_norm(x, weight=weight), x, weight)
 
 
-def test_path_names_match_the_ids_tests_use(solution):
-    from reference import BACKWARD_BLOCK, BACKWARD_CLUSTER, BACKWARD_COOPERATIVE, BACKWARD_GENERIC, BLOCK, CLUSTER, \
-        COOPERATIVE, PIPELINED, SPLIT, WARP
-    assert solution._EXT.forward_paths == {"auto": 0, "block": BLOCK, "cluster": CLUSTER, "warp": WARP, "split": SPLIT,
-                                           "cooperative": COOPERATIVE, "pipelined": PIPELINED}
-    assert solution._EXT.backward_paths == {"auto": 0, "generic": BACKWARD_GENERIC, "cluster": BACKWARD_CLUSTER,
-                                            "cooperative": BACKWARD_COOPERATIVE, "block": BACKWARD_BLOCK}
-    assert len(solution._EXT.forward_paths) == solution._EXT.num_forward_paths
-    assert len(solution._EXT.backward_paths) == solution._EXT.num_backward_paths
+def test_path_ids_and_capacities_are_exported(solution):
+    """The tables the GPU tests and tools read (tests/reference.py): every path by
+    name with ids 0 .. n - 1 (0: automatic), and per kernel dtype the capacities the
+    paths' limits in kernels/instance_norm.h state."""
+    ext = solution._EXT
+    assert set(ext.forward_paths) == {"auto", "block", "cluster", "warp", "split", "cooperative", "pipelined"}
+    assert set(ext.backward_paths) == {"auto", "generic", "cluster", "cooperative", "block"}
+    for paths, count in ((ext.forward_paths, ext.num_forward_paths), (ext.backward_paths, ext.num_backward_paths)):
+        assert paths["auto"] == 0 and sorted(paths.values()) == list(range(count))
+    for dtype, per_cta in (("float32", 32768), ("float16", 65536), ("bfloat16", 65536)):
+        assert ext.forward_capacities[dtype] == {"warp_spatial": 1024, "resident_cta": per_cta, "max_cluster_size": 16,
+                                                 "pipelined_cta": per_cta // 2}
+        assert ext.backward_capacities[dtype] == {"block_spatial": per_cta // 2}
 
 
 def test_front_traces_with_symbolic_shapes(solution):

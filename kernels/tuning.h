@@ -1,0 +1,70 @@
+// The path choosers' thresholds and the launch shapes they choose between, in one
+// place: each with why it has its value and where the measurements are
+// (docs/perf-notes.md, by version number). Each sits in the namespace of the file
+// that uses it.
+#pragma once
+
+#include <cstdint>
+
+namespace instance_norm {
+
+// instance_norm_forward.cu: the block path's CTA size, and where the chooser takes
+// the block and pipelined paths.
+namespace forward_detail {
+
+// Block CTAs of 128, 256 or 512 threads, the largest that gives each thread at least
+// this many 16-byte vectors of its slice or tile (docs/perf-notes.md #54; 8 lost: #76).
+constexpr int kBlockVectorsPerThread = 4;
+// 128-thread block CTAs where this many fit an SM: more slices' loads in flight; they
+// won on every slice size where six fit and lost at five or fewer (docs/perf-notes.md
+// #83-#85).
+constexpr int kBlockSmallCtasPerSm = 6;
+// ... and only with at least this many slices per SM: with fewer, 128- and 512-thread
+// CTAs split by shape (docs/perf-notes.md #83-#85).
+constexpr int kBlockSmallMinSlicesPerSm = 4;
+// The largest channels-last tile the chooser gives the block path (larger ones run
+// when forced): one CTA per SM cannot overlap a tile's load, reductions and store,
+// and above 128 KB the split path was as fast or faster (docs/perf-notes.md #59).
+constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
+// The pipelined path (fp32) is chosen only where its busiest team takes this many
+// slices: its first three rounds only read and its last three only write; it led the
+// cooperative path from 3 rounds on and lost at 2 (docs/perf-notes.md #75, #80, #81).
+constexpr int64_t kPipelinedMinRounds = 3;
+
+}  // namespace forward_detail
+
+// instance_norm_backward.cu: the block path's limits, where the chooser takes the
+// resident paths, and how the generic path cuts a problem.
+namespace backward_detail {
+
+// Block path: 16-byte vectors of x and of dy each thread holds in registers (64 of
+// the 128 registers its launch bounds allow); with kBlockLargeThreads, the largest
+// slice it takes: 16,384 fp32 / 32,768 16-bit values (docs/perf-notes.md #104).
+constexpr int kBlockVectorsPerThread = 8;
+// Block CTAs: 128 threads for slices they hold, four or more to an SM, so one slice's
+// loads overlap another's reduction; 512 threads above (docs/perf-notes.md #104).
+constexpr int kBlockSmallThreads = 128;
+constexpr int kBlockLargeThreads = 512;
+// The resident paths are chosen from this many values per slice: below, a slice moves
+// too few bytes per CTA to hide a block reduction and a team barrier, and the generic
+// path (all SMs, many warps in flight) is taken; forced, the resident paths run smaller
+// slices. An estimate, not measured.
+constexpr int64_t kClusterMinSpatial = 4096;
+// Clusters of more than this many CTAs are not chosen: 16-CTA clusters were slower
+// than the generic path (docs/perf-notes.md #14-#24, when dy was held on chip too);
+// cooperative teams take those slices, faster than the generic path (#41).
+constexpr int64_t kClusterMaxChosenSize = 8;
+// Generic path, chunk sizes in values per warp (a channels-last CTA takes
+// kGenericWarps times as many): a tensor big enough to fill the GPU is cut into at
+// least kTargetWarpItems work items, about 132 SMs x 64 resident warps, one full
+// wave, so a single 128^3 slice still spreads over every SM; chunks of at least
+// kMinChunkValues (enough loads in flight per warp; at most 2,048 partials per slice
+// for the combine) and at most kMaxChunkValues (many items for big tensors, so the
+// last wave's tail is short). Not measured one by one.
+constexpr int64_t kTargetWarpItems = 8192;
+constexpr int64_t kMinChunkValues = 1024;
+constexpr int64_t kMaxChunkValues = 16384;
+
+}  // namespace backward_detail
+
+}  // namespace instance_norm
