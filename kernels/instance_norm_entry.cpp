@@ -256,6 +256,14 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
                                epilogue);
   }
   TORCH_CHECK(eps >= 0.0, "instance_norm: eps must be >= 0, got ", text(eps));
+  // The kernels have no forward-mode derivative: a dual tensor's tangent would be
+  // dropped (PyTorch's op, above, has one).
+  for (const std::optional<at::Tensor>* t : {&weight, &bias, &residual}) {
+    TORCH_CHECK(!(t->has_value() && (*t)->_fw_grad(/*level=*/0).defined()),
+                "instance_norm: forward-mode AD is not supported on CUDA float32/float16/bfloat16 inputs");
+  }
+  TORCH_CHECK(!input._fw_grad(/*level=*/0).defined(),
+              "instance_norm: forward-mode AD is not supported on CUDA float32/float16/bfloat16 inputs");
   const at::Tensor x = readable(input);
   if (residual) epilogue.residual = like_layout(*residual, x);
   const std::optional<at::Tensor>& r = epilogue.residual;
@@ -460,7 +468,6 @@ TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Ten
   if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
     return out;
   }
-  TORCH_CHECK(!input._fw_grad(/*level=*/0).defined(), "instance_norm: forward-mode AD is not supported");
   auto node = make_node<InstanceNormBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
   node->input = torch::autograd::SavedVariable(input, false);

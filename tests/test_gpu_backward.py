@@ -86,7 +86,7 @@ def test_backward_with_parameters_of_any_float_dtype(solution, shape, parameter_
     expected = torch.autograd.grad(y64, (x64, w64), dy.double())
     _, stats = solution._EXT.forward_with_stats(x, weight, bias)
     paths = backward_paths(solution, x)
-    assert len(paths) >= 2
+    assert BACKWARD_GENERIC in paths
     for path in paths:
         dx, dweight, _, _ = run_poisoned(
             lambda: solution._EXT.backward(dy, x, stats, weight, path, bias=bias, activation=activation), x)

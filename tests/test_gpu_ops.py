@@ -30,7 +30,7 @@ def test_forward_mode_ad_raises(solution):
     x = torch.randn(2, 8, 16, 16, device="cuda")
     with fwAD.dual_level():
         dual = fwAD.make_dual(x, torch.randn_like(x))
-        with pytest.raises(RuntimeError, match="forward-mode AD is not supported"):
+        with pytest.raises(RuntimeError, match="forward-mode AD is not supported on CUDA"):
             solution.instance_norm(dual)
 
 
