@@ -124,7 +124,8 @@ def _flag_gems():
 def run_cell(bench, solution, cell, peers, args, flush):
     """Checks and times one cell. Returns the cell with "forward" and
     "forward_backward" ({"median_ms": {row: ms}} and the measures), or with "failed"
-    (ours differs from float64 or from eager's gradient). A peer that fails the same
+    (ours differs from float64: the output beyond the harness tolerance, a gradient
+    beyond both that tolerance of its scale and twice eager's own error). A peer that fails the same
     check is left out of the cell and named in "peer_failures"."""
     dtype, (n, c, h, w) = cell["dtype"], cell["shape"]
     tolerance = bench.TOLERANCE[dtype]
@@ -141,17 +142,30 @@ def run_cell(bench, solution, cell, peers, args, flush):
     functions = {"ours": lambda x, w, b: ours_norm(x), **peers.for_cell(cell)}
     grad_inputs = {name: [xg] + ([weight, bias] if cell["affine"] else []) for name in functions}
     grad_inputs["ours"] = [xg, *ours_norm.parameters()]
-    reference = F.instance_norm(x.double(), weight=None if weight is None else weight.double(),
-                                bias=None if bias is None else bias.double())
-    expected = torch.autograd.grad(functions["eager"](xg, weight, bias), grad_inputs["eager"], dy)
+    # Gradients are judged against float64's, not eager's: summed over slices of
+    # millions of 16-bit values, eager's parameter gradients are themselves off by
+    # several times the harness tolerance (docs/perf-notes.md #109).
+    inputs64 = [t.detach().double().requires_grad_() for t in grad_inputs["eager"]]
+    reference = F.instance_norm(inputs64[0], weight=inputs64[1] if cell["affine"] else None,
+                                bias=inputs64[2] if cell["affine"] else None)
+    expected = torch.autograd.grad(reference, inputs64, dy.double())
+    reference = reference.detach()
+    del inputs64
+
+    def gradient_errors(name):
+        y = functions[name](xg, weight, bias)
+        return y, [(got.double() - want).abs().max().item()
+                   for got, want in zip(torch.autograd.grad(y, grad_inputs[name], dy), expected)]
+
+    eager_errors = gradient_errors("eager")[1]
 
     def check(name):
-        y = functions[name](xg, weight, bias)
+        y, errors = gradient_errors(name)
         if not torch.allclose(y.double(), reference, atol=tolerance, rtol=tolerance):
             return f"output differs from float64 beyond {tolerance}"
-        for got, want in zip(torch.autograd.grad(y, grad_inputs[name], dy), expected):
-            if (got.float() - want.float()).abs().max().item() > tolerance * max(want.abs().max().item(), 1.0):
-                return f"gradient differs from eager's beyond {tolerance}"
+        for error, eager_error, want in zip(errors, eager_errors, expected):
+            if error > max(tolerance * max(want.abs().max().item(), 1.0), 2 * eager_error):
+                return f"gradient differs from float64 beyond {tolerance} of its scale and twice eager's error"
         return None
 
     failures = {name: reason for name in functions if (reason := check(name)) is not None}
