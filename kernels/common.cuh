@@ -410,21 +410,12 @@ struct BlockAllReduce {
 template <int THREADS>
 using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 
-// Value `channel` of a per-channel parameter as float32, or `none` where it is absent.
-__device__ __forceinline__ float channel_value(const ChannelParameter& parameter, int64_t channel, float none) {
-  if (parameter.data == nullptr) return none;
-  switch (parameter.dtype) {
-    case DType::kFloat16: return __half2float(__ldg(static_cast<const __half*>(parameter.data) + channel));
-    case DType::kBFloat16: return __bfloat162float(__ldg(static_cast<const __nv_bfloat16*>(parameter.data) + channel));
-    default: return __ldg(static_cast<const float*>(parameter.data) + channel);
-  }
-}
-
 // Per-channel affine of slice `slice` of a forward problem: y = (x - mean) * rstd *
 // weight + bias.
 __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
   const int64_t channel = slice % p.num_channels;
-  return make_float2(channel_value(p.weight, channel, 1.f), channel_value(p.bias, channel, 0.f));
+  return make_float2(p.weight != nullptr ? __ldg(p.weight + channel) : 1.f,
+                     p.bias != nullptr ? __ldg(p.bias + channel) : 0.f);
 }
 
 // ---- Fused epilogues (Epilogue in instance_norm.h) ----

@@ -67,15 +67,6 @@ enum class ForwardPath : int {
 constexpr int kNumForwardPaths = 7;
 constexpr int64_t kWarpMaxSpatial = 1024;
 
-// A per-channel parameter, weight or bias: num_channels contiguous values of `dtype`
-// in device memory, or none (data == nullptr: weight 1, bias 0). The forward kernels
-// convert each value to float32 as they read it (once per slice), so 16-bit
-// parameters need no cast per call.
-struct ChannelParameter {
-  const void* data;  // nullptr by zero-initialization
-  DType dtype;
-};
-
 // What follows the affine map in a fused layer: y = act(norm(x) * weight + bias
 // [+ residual]). Activations as PyTorch defines them (torch.nn.functional):
 //   kRelu       max(v, 0)
@@ -108,8 +99,8 @@ struct ForwardProblem {
   int64_t batch;
   int64_t num_channels;
   int64_t spatial;
-  ChannelParameter weight;  // none: 1
-  ChannelParameter bias;    // none: 0
+  const float* weight;  // [num_channels] float32, or nullptr for 1
+  const float* bias;    // [num_channels] float32, or nullptr for 0
   float eps;
   // Optional outputs, [batch * num_channels] float32 or nullptr: each slice's mean
   // and rstd (saved for backward and for the running statistics). Written only
@@ -261,9 +252,7 @@ struct BackwardProblem {
   // aligned) receives that product, the residual's gradient. A residual without an
   // activation changes nothing here: its gradient is dy itself.
   Epilogue epilogue;
-  // [num_channels] float32, or nullptr for 0; read only with an activation. The
-  // backward takes float32 parameters: its channels-last sweeps read them at each use.
-  const float* bias;
+  const float* bias;    // [num_channels] float32, or nullptr for 0; read only with an activation
   void* grad_residual;
   // BackwardPlan::workspace_bytes of device memory, 16-byte aligned.
   void* workspace;

@@ -621,39 +621,16 @@ instance_norm::Layout check_kernel_input(const at::Tensor& input) {
   return *layout;
 }
 
-// A channel tensor (weight, bias, running statistics) is C values on the input's
-// device (an internal invariant: the front checks it for users).
-void check_channel(const at::Tensor& value, const char* name, const at::Tensor& input) {
-  TORCH_CHECK(value.device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
-              value.device());
-  TORCH_CHECK(value.numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
-              text(value.numel()));
-}
-
-// A running statistic, or a parameter of the backward (None, or a channel tensor), as
-// contiguous float32, the kernels' type for them (no copy when it is one).
+// A channel tensor (weight, bias, running statistics): None, or C values on the
+// input's device; returned as contiguous float32 (no copy when it is one).
 std::optional<at::Tensor> channel_float32(const std::optional<at::Tensor>& value, const char* name,
                                           const at::Tensor& input) {
   if (!value.has_value()) return std::nullopt;
-  check_channel(*value, name, input);
+  TORCH_CHECK(value->device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
+              value->device());
+  TORCH_CHECK(value->numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
+              text(value->numel()));
   return value->to(at::kFloat).contiguous();
-}
-
-// weight or bias (None, or a channel tensor) as the kernels read it: contiguous
-// float32, float16 or bfloat16 as it is, other dtypes and strides copied to
-// contiguous float32. The caller keeps the returned tensor alive over the launch.
-std::optional<at::Tensor> kernel_parameter(const std::optional<at::Tensor>& value, const char* name,
-                                           const at::Tensor& input) {
-  if (!value.has_value()) return std::nullopt;
-  check_channel(*value, name, input);
-  if (kernel_dtype(value->scalar_type()) && value->is_contiguous()) return value;
-  return value->to(at::kFloat).contiguous();
-}
-
-// The kernels' view of kernel_parameter's result.
-instance_norm::ChannelParameter channel_parameter(const std::optional<at::Tensor>& parameter) {
-  if (!parameter.has_value()) return {};
-  return {parameter->data_ptr(), storage_dtype(*parameter)};
 }
 
 int64_t spatial_size(const at::Tensor& input) {
@@ -672,8 +649,8 @@ instance_norm::ForwardProblem make_problem(const at::Tensor& input, instance_nor
   problem.batch = input.size(0);
   problem.num_channels = input.size(1);
   problem.spatial = spatial_size(input);
-  problem.weight = channel_parameter(weight);
-  problem.bias = channel_parameter(bias);
+  problem.weight = weight ? weight->data_ptr<float>() : nullptr;
+  problem.bias = bias ? bias->data_ptr<float>() : nullptr;
   problem.eps = static_cast<float>(eps);
   return problem;
 }
@@ -741,13 +718,13 @@ instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tens
 
 // What every forward launch of `x` needs: its output (allocated before any other
 // buffer of the call, so that tests which poison the block a same-sized output will
-// take see it land there), weight and bias as the kernels read them
-// (kernel_parameter; kept alive here), and the problem pointing at them. x is
-// checked first, before anything is allocated; members are initialized in this order.
+// take see it land there), weight and bias as float32 (kept alive here), and the
+// problem pointing at them. x is checked first, before anything is allocated;
+// members are initialized in this order.
 struct ForwardCall {
   instance_norm::Layout layout;
   at::Tensor output;
-  std::optional<at::Tensor> weight_parameter, bias_parameter;
+  std::optional<at::Tensor> weight_f32, bias_f32;
   at::Tensor residual;  // the epilogue's residual as the kernels read it (see kernel_epilogue)
   instance_norm::ForwardProblem problem;
 
@@ -755,9 +732,9 @@ struct ForwardCall {
               double eps, const EpilogueArgs& epilogue)
       : layout(check_kernel_input(x)),
         output(at::empty_like(x)),
-        weight_parameter(kernel_parameter(weight, "weight", x)),
-        bias_parameter(kernel_parameter(bias, "bias", x)),
-        problem(make_problem(x, layout, weight_parameter, bias_parameter, eps)) {
+        weight_f32(channel_float32(weight, "weight", x)),
+        bias_f32(channel_float32(bias, "bias", x)),
+        problem(make_problem(x, layout, weight_f32, bias_f32, eps)) {
     problem.epilogue = kernel_epilogue(epilogue, x, residual);
   }
 };

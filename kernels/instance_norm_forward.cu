@@ -398,9 +398,6 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const int64_t next = slice + num_teams;
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const SliceShift shift = SliceShift::of(first_value);
-    // Read before the slice's registers are live: after the passes, the 16-bit
-    // parameters' conversion made ptxas spill.
-    const float2 affine = slice_affine(p, slice);
 
     // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
     // dtype, so a 16-bit CTA holds twice the values of a float32 one); 16-bit values
@@ -462,6 +459,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     if (next < num_slices && stages_late) stage(staged_column, next);
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
+    const float2 affine = slice_affine(p, slice);  // here, not held through the passes
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);

@@ -195,8 +195,8 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0 && p.mean != nullptr) p.mean[slice] = slice_shift_scale.mean(total.mean);
       if (lane == 0 && p.rstd != nullptr) p.rstd[slice] = rstd;
     }
-    const float weight = channel_value(p.weight, channel, 1.f);
-    const float bias = channel_value(p.bias, channel, 0.f);
+    const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
+    const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
     if (lane == 0) slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
   }
 }
