@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and a team size
 // the device can run: a cluster of at most kMaxClusterSize CTAs, or at most the
 // resident CTAs for a cooperative team (the launcher checks).
-template <typename T, int THREADS, int VALUES_PER_THREAD, typename Team>
+template <typename T, int THREADS, int VALUES_PER_THREAD, bool EPILOGUE, typename Team>
 __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const Team& team) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
@@ -468,7 +468,9 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
         float out[kPer];
 #pragma unroll
         for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(kHoldsD ? v[k] : shift.apply(v[k]), scale, offset);
-        apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(slice_y + first + i * THREADS), out);
+        if constexpr (EPILOGUE) {
+          apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(slice_y + first + i * THREADS), out);
+        }
         store_streaming(slice_y + first + i * THREADS, S::pack(out));
       });
     });
@@ -479,21 +481,24 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
   team.finish();
 }
 
-template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM>
+// EPILOGUE: compiled with the epilogue (launched for problems with one); the plain
+// kernels keep the code they had without it (with the epilogue's code in them,
+// problems without one ran slower: docs/perf-notes.md #111).
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, bool EPILOGUE>
 __global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
   with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
-                  [&](const auto& team) { forward_resident<T, THREADS, VALUES_PER_THREAD>(p, team); });
+                  [&](const auto& team) { forward_resident<T, THREADS, VALUES_PER_THREAD, EPILOGUE>(p, team); });
 }
 
-template <typename T, int THREADS, int VALUES>
+template <typename T, int THREADS, int VALUES, bool EPILOGUE>
 constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
           THREADS * VALUES * static_cast<int>(sizeof(T)),
           static_cast<int>(sizeof(SliceStats)),
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster>,
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, EPILOGUE>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, EPILOGUE>,
           false};
 }
 
@@ -501,14 +506,21 @@ constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
 // slice per CTA, one CTA per SM. A 512 x 512 slice takes a cluster of 8 in fp32 (64
 // values per thread) and of 4 in fp16/bf16 (128 values per thread)
 // (docs/perf-notes.md compares shapes).
+template <bool EPILOGUE>
 constexpr ResidentVariant<ForwardProblem> kResidentVariants[] = {
-    resident_variant<float, 512, 64>(DType::kFloat32),
-    resident_variant<__half, 512, 128>(DType::kFloat16),
-    resident_variant<__nv_bfloat16, 512, 128>(DType::kBFloat16),
+    resident_variant<float, 512, 64, EPILOGUE>(DType::kFloat32),
+    resident_variant<__half, 512, 128, EPILOGUE>(DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 128, EPILOGUE>(DType::kBFloat16),
 };
 
+// The resident variant of p's dtype, with the epilogue where p has one.
+const ResidentVariant<ForwardProblem>& resident_variant_for(const ForwardProblem& p) {
+  return p.epilogue.active() ? variant_for(kResidentVariants<true>, p.dtype)
+                             : variant_for(kResidentVariants<false>, p.dtype);
+}
+
 bool resident_supported(TeamKind team, const ForwardProblem& p) {
-  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
+  const ResidentVariant<ForwardProblem>& variant = resident_variant_for(p);
   return p.layout == Layout::kContiguous && vector_aligned(p) &&
          (team == TeamKind::kCluster ? variant.cluster_fits(p.spatial) : variant.cooperative_fits(p.spatial));
 }
@@ -623,7 +635,7 @@ ForwardPlan block_plan(const ForwardProblem& p) {
 ForwardPlan resident_plan(TeamKind team, const ForwardProblem& p) {
   ForwardPlan plan{};
   if (!resident_supported(team, p)) return plan;
-  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
+  const ResidentVariant<ForwardProblem>& variant = resident_variant_for(p);
   if (team == TeamKind::kCluster) {
     plan.path = ForwardPath::kCluster;
     variant.plan_cluster(p, plan);
@@ -647,7 +659,7 @@ bool block_preferred(const ForwardProblem& p, const ForwardPlan& block) {
   if (!block.valid()) return false;
   if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;
   if (launch_ctas_per_sm(block.launch) >= 2) return true;
-  const ResidentVariant<ForwardProblem>& variant = variant_for(kResidentVariants, p.dtype);
+  const ResidentVariant<ForwardProblem>& variant = resident_variant_for(p);
   if (variant.team_size(p.spatial) > 1) return true;
   // A one-CTA team gains from its later rounds, where its staging of the next slice
   // overlaps the current one; measured, it overtakes one block CTA per SM between 1.45
@@ -738,7 +750,7 @@ cudaError_t forward(const ForwardProblem& problem, const ForwardPlan& plan, cuda
 
 ForwardCapacities forward_capacities(DType dtype) {
   using namespace forward_detail;
-  return {kWarpMaxSpatial, variant_for(kResidentVariants, dtype).cta_capacity, kMaxClusterSize,
+  return {kWarpMaxSpatial, variant_for(kResidentVariants<false>, dtype).cta_capacity, kMaxClusterSize,
           pipelined_cta_capacity(dtype)};
 }
 

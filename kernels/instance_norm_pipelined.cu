@@ -63,8 +63,10 @@ __host__ __device__ inline size_t counter_bytes(int64_t teams) { return team_cou
 // publishes round j + 8 after its data warps read round j + 5's totals, so every CTA
 // had published round j + 5, after its data warps read round j + 2's, after its
 // collector was done with round j.
-// sm_90+ (mbarrier parity waits); the body is empty before.
-template <typename T>
+// sm_90+ (mbarrier parity waits); the body is empty before. EPILOGUE: compiled with
+// the epilogue (launched for problems with one), so the plain kernel keeps the code
+// it had without it (docs/perf-notes.md #111).
+template <typename T, bool EPILOGUE>
 __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipelined_kernel(const ForwardProblem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = Storage<T>;
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
           S::unpack(slot[i * kDataThreads], v);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) v[k] = __fmaf_rn(kHoldsD ? v[k] : shift_output.apply(v[k]), scale, offset);
-          apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(out + i * kDataThreads), v);
+          if constexpr (EPILOGUE) apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(out + i * kDataThreads), v);
           store_streaming(out + i * kDataThreads, S::pack(v));
         }
         if (statistics) {
@@ -255,20 +257,22 @@ __global__ void __launch_bounds__(kDataThreads + 2 * kWarpSize, 1) forward_pipel
 #endif
 }
 
-// The kernel of p's dtype.
-void (*kernel_for(DType dtype))(const ForwardProblem) {
+// The kernel of a dtype, with or without the epilogue.
+void (*kernel_for(DType dtype, bool epilogue))(const ForwardProblem) {
   switch (dtype) {
-    case DType::kFloat16: return forward_pipelined_kernel<__half>;
-    case DType::kBFloat16: return forward_pipelined_kernel<__nv_bfloat16>;
-    default: return forward_pipelined_kernel<float>;
+    case DType::kFloat16: return epilogue ? forward_pipelined_kernel<__half, true> : forward_pipelined_kernel<__half, false>;
+    case DType::kBFloat16:
+      return epilogue ? forward_pipelined_kernel<__nv_bfloat16, true> : forward_pipelined_kernel<__nv_bfloat16, false>;
+    default: return epilogue ? forward_pipelined_kernel<float, true> : forward_pipelined_kernel<float, false>;
   }
 }
 
 constexpr int kThreads = kDataThreads + 2 * kWarpSize;
 constexpr int kSharedBytes = kLag * kSlotBytes;
 
-int resident_ctas(DType dtype) {
-  return max_resident_ctas(reinterpret_cast<const void*>(kernel_for(dtype)), kThreads, kSharedBytes, true);
+int resident_ctas(const ForwardProblem& p) {
+  return max_resident_ctas(reinterpret_cast<const void*>(kernel_for(p.dtype, p.epilogue.active())), kThreads,
+                           kSharedBytes, true);
 }
 
 }  // namespace pipelined_detail
@@ -282,7 +286,7 @@ ForwardPlan pipelined_plan(const ForwardProblem& p) {
   using namespace pipelined_detail;
   ForwardPlan plan{};
   const int size = team_size_for(p.spatial, static_cast<int>(pipelined_cta_capacity(p.dtype)));
-  const int resident = resident_ctas(p.dtype);
+  const int resident = resident_ctas(p);
   if (p.layout != Layout::kContiguous || !vector_aligned(p) || size <= 0 || size > resident || p.num_slices() <= 0) {
     return plan;
   }
@@ -292,8 +296,8 @@ ForwardPlan pipelined_plan(const ForwardProblem& p) {
   plan.rounds = (p.num_slices() + plan.teams - 1) / plan.teams;
   const size_t counters = counter_bytes(plan.teams);
   plan.workspace_bytes = counters + static_cast<size_t>(plan.teams * kTotalRounds * size) * sizeof(SliceStats);
-  plan.launch = {LaunchKind::kCooperative, kernel_for(p.dtype), static_cast<unsigned>(plan.teams * size), kThreads,
-                 kSharedBytes, 0, counters};
+  plan.launch = {LaunchKind::kCooperative, kernel_for(p.dtype, p.epilogue.active()),
+                 static_cast<unsigned>(plan.teams * size), kThreads, kSharedBytes, 0, counters};
   return plan;
 }
 
