@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The named stages (default: all) on a machine with a GPU, logs to $OUT:
 #   build     cold build (timed) and SASS load/store widths
-#   tests     python -m pytest -m gpu, then check.py
-#   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py
-#             (our kernels only; SANITIZERS="racecheck" picks tools)
+#   tests     python -m pytest -m gpu in three processes at once, and check.py beside them
+#   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py,
+#             at once, beside the tests (our kernels only; SANITIZERS="racecheck" picks tools)
 #   bench     bench.py --paths (the README's bench.py, every path) on the seed shape, fp32 and bf16, and
 #             on the 3d row (1, 32, 128, 128, 128) fp32 (the pipelined path; --paths also
 #             times the cooperative one)
@@ -29,20 +29,31 @@ if has build; then
   so=$(ls -t "$INSTANCE_NORM_BUILD_ROOT"/*/instance_norm_*.so | head -1)
   cuobjdump -sass "$so" | grep -oE "(LDG|STG|LDL|STL|LDS|STS)[.A-Z0-9]*" | sort | uniq -c
 fi
+# The tests and the sanitizers run at once, in separate processes on the one GPU
+# (correctness only: nothing here is timed); each logs to its own file.
 if has tests; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider --maxfail=40 --tb=short --durations=10 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|Error|^E " | head -60
-  python3 check.py --trials 2 2>&1 | tee "$OUT/check.log"
+  shard() {  # shard NAME FILE...: pytest -m gpu over the files
+    local name=$1; shift
+    python3 -m pytest -m gpu -q -p no:cacheprovider --tb=short "$@" > "$OUT/pytest_$name.log" 2>&1
+    echo "pytest $name ($*): exit $? | $(tail -1 "$OUT/pytest_$name.log")"
+    grep -E "^FAILED|^ERROR" "$OUT/pytest_$name.log" | head -20
+  }
+  shard forward tests/test_gpu.py &
+  shard backward tests/test_gpu_backward.py tests/test_gpu_multi.py tests/test_harness.py &
+  shard ops tests/test_gpu_epilogue.py tests/test_gpu_ops.py tests/test_gpu_modules.py &
+  (python3 check.py --trials 2 > "$OUT/check.log" 2>&1; echo "check.py: exit $? | $(tail -1 "$OUT/check.log")") &
 fi
 if has sanitize; then
   for tool in ${SANITIZERS:-memcheck racecheck synccheck}; do
     # Only this project's kernels (namespace instance_norm): racecheck also reports
     # hazards inside PyTorch's own float64 mean reduction, which computes the references.
-    timeout 240 compute-sanitizer --tool $tool --kernel-name kns=instance_norm --error-exitcode 3 \
-      python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log") clean summaries)"
-    grep -E "WRONG|ERROR SUMMARY" "$OUT/sanitizer_$tool.log" | head -5
+    (timeout 400 compute-sanitizer --tool $tool --kernel-name kns=instance_norm --error-exitcode 3 \
+       python3 tools/sanitize_paths.py > "$OUT/sanitizer_$tool.log" 2>&1
+     echo "compute-sanitizer $tool: exit $? ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log") clean summaries)"
+     grep -E "WRONG|ERROR SUMMARY" "$OUT/sanitizer_$tool.log" | head -5) &
   done
 fi
+wait
 if has bench; then
   python -m pip install -q -r requirements.txt && python bench.py --paths --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   python3 bench.py --dtype bfloat16 --paths --json "$OUT/bench_bf16.json" 2>&1 | tee "$OUT/bench_bf16.log"
