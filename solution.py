@@ -44,7 +44,7 @@ __all__ = ["ACTIVATIONS", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", 
 
 _HEADER_FILES = ("common.cuh", "instance_norm.h", "pipelined.h", "split.h", "tuning.h")
 _CUDA_FILES = ("instance_norm_forward.cu", "instance_norm_pipelined.cu", "instance_norm_split.cu",
-               "instance_norm_backward.cu")
+               "instance_norm_channels.cu", "instance_norm_backward.cu")
 _CPP_FILES = ("instance_norm_entry.cpp",)
 _KERNEL_FILES = _HEADER_FILES + _CUDA_FILES + _CPP_FILES
 # A bundle (python solution.py --bundle PATH) sets this to {file name: source text}

@@ -1,7 +1,9 @@
 // Host API of the InstanceNorm CUDA kernels (pure CUDA C++, no PyTorch types).
-// Forward: instance_norm_forward.cu (the paths and their choice) and
-// instance_norm_split.cu (the split path, any layout, the eval sweep and the
-// per-channel reductions over n); backward: instance_norm_backward.cu.
+// Forward: instance_norm_forward.cu (the paths and their choice),
+// instance_norm_pipelined.cu (the pipelined path) and instance_norm_split.cu (the
+// split path, any layout, and the eval sweep); backward: instance_norm_backward.cu;
+// the per-channel reductions over n (running statistics, parameter gradients):
+// instance_norm_channels.cu.
 #pragma once
 
 #include <cuda_runtime.h>
