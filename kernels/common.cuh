@@ -156,6 +156,18 @@ __device__ __forceinline__ auto with_valid_count(int valid, F f) {
 // before the output exists; the caching allocator's blocks are aligned).
 __host__ __device__ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The ceiling of a / b (a >= 0, b > 0), and a rounded up to a multiple of b, in the
+// wider type of the two: for the host's sizes and grids (a kernel's own bounds keep
+// their min/max form, whose machine code the timings were taken with).
+template <typename A, typename B>
+__host__ __device__ constexpr auto ceil_div(A a, B b) -> decltype(a + b) {
+  return (a + b - 1) / b;
+}
+template <typename A, typename B>
+__host__ __device__ constexpr auto round_up(A a, B b) -> decltype(a + b) {
+  return ceil_div(a, b) * b;
+}
+
 // An L2 eviction policy that keeps lines (evict_last), for a first read whose
 // second should find them in L2.
 __device__ __forceinline__ uint64_t l2_evict_last_policy() {
@@ -731,7 +743,7 @@ cudaError_t dispatch_activation(Activation a, F f) {
 // A grid-stride kernel's CTA count: enough to cover `work` items of `per_cta` each,
 // capped at a launch-legal count that still fills any GPU many times over.
 inline unsigned grid_for(int64_t work, int64_t per_cta) {
-  const int64_t ctas = (work + per_cta - 1) / per_cta;
+  const int64_t ctas = ceil_div(work, per_cta);
   return static_cast<unsigned>(ctas < (1 << 20) ? ctas : (1 << 20));
 }
 

@@ -843,8 +843,6 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backwar
 
 // ---- host: the choice of path and the launches ----
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The smallest power of two >= work, at most a warp.
 int lanes_for(int64_t work) {
   int lanes = 1;

@@ -572,14 +572,14 @@ constexpr int64_t kBlockMaxBytes = 1 << 20;
 // Shared-memory bytes of the block path's slice or tile (at most kBlockMaxBytes + 15).
 int64_t block_bytes(const ForwardProblem& p) {
   if (p.layout == Layout::kChannelsLast) return p.spatial * kChannelsLastTileVectors * 16;
-  return (p.spatial * element_bytes(p.dtype) + 15) / 16 * 16;
+  return round_up(p.spatial * element_bytes(p.dtype), 16);
 }
 
 // CTAs of the block path: one per slice, or per channels-last tile.
 int64_t block_work(const ForwardProblem& p) {
   if (p.layout == Layout::kContiguous) return p.num_slices();
   const int64_t pixel_vectors = p.num_channels / values_per_vector(p.dtype);
-  return p.batch * ((pixel_vectors + kChannelsLastTileVectors - 1) / kChannelsLastTileVectors);
+  return p.batch * ceil_div(pixel_vectors, kChannelsLastTileVectors);
 }
 
 // How many CTAs of a plain launch fit one SM at once; also raises the kernel's

@@ -293,7 +293,7 @@ ForwardPlan pipelined_plan(const ForwardProblem& p) {
   plan.path = ForwardPath::kPipelined;
   plan.team_size = size;
   plan.teams = std::min<int64_t>(p.num_slices(), resident / size);
-  plan.rounds = (p.num_slices() + plan.teams - 1) / plan.teams;
+  plan.rounds = ceil_div(p.num_slices(), plan.teams);
   const size_t counters = counter_bytes(plan.teams);
   plan.workspace_bytes = counters + static_cast<size_t>(plan.teams * kTotalRounds * size) * sizeof(SliceStats);
   plan.launch = {LaunchKind::kCooperative, kernel_for(p.dtype, p.epilogue.active()),

@@ -33,13 +33,13 @@ constexpr int64_t kSweepTile = kThreads * kSweepUnroll;
 
 int64_t chunks_per_slice(const ForwardProblem& p) {
   const int64_t chunk = p.layout == Layout::kContiguous ? kChunk : kRowsPerChunk;
-  return (p.spatial + chunk - 1) / chunk;
+  return ceil_div(p.spatial, chunk);
 }
 
 int64_t partials_bytes(const ForwardProblem& p) {
   if (p.running_mean != nullptr) return 0;
   const int64_t bytes = p.num_slices() * chunks_per_slice(p) * static_cast<int64_t>(sizeof(SliceStats));
-  return (bytes + 15) / 16 * 16;
+  return round_up(bytes, 16);
 }
 
 // Statistics of this thread's `count` values d[0..count) (already shifted): their
