@@ -143,10 +143,11 @@ struct KernelLaunch {
 struct SplitPlan {
   int64_t chunks;         // partials per slice (contiguous: chunks of values; channels-last: of rows)
   size_t partials_bytes;  // the workspace's partials, before the per-slice float4s
-  bool vector_stats;      // the contiguous partials read 16-byte vectors (else single values)
+  int stats_unit;         // values per unit of the partials' loads: one 16-byte vector, or 1
   unsigned stats_grid;
   unsigned combine_grid;
   int sweep_unit;         // values per unit of the sweep: one 16-byte vector, or 1
+  int64_t sweep_chunks;   // channels-last: the sweep's chunks of rows per (n, channel tile)
   unsigned sweep_grid;
 };
 

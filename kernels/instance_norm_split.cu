@@ -3,12 +3,18 @@
 // statistics.
 //
 // Split path, three launches:
-//   1. partial statistics (count, mean, M2) of each chunk of each slice: contiguous,
-//      a CTA per (slice, chunk of kChunk values); channels_last, a CTA per (n, chunk
-//      of kRowsPerChunk spatial rows, tile of 32 channels);
-//   2. one warp per slice combines its chunks in a fixed order (Chan et al.) into
+//   1. partial statistics (count, mean, M2) of each chunk of each slice, a CTA per
+//      chunk: contiguous, chunks of kContiguousChunkUnits units (values or 16-byte
+//      vectors) of one slice; channels-last, chunks of ChannelsLastTiling::chunk_rows
+//      positions of one n for a tile of up to 32 units of channels;
+//   2. a CTA per slice combines its chunks in a fixed order (Chan et al.) into
 //      {shift, mean, rstd * weight, bias} (or takes running_mean/var in eval);
-//   3. an elementwise sweep y = ((x - shift) - mean) * scale + bias over the flat tensor.
+//   3. an elementwise sweep y = ((x - shift) - mean) * scale + bias: contiguous over
+//      the flat tensor; channels-last by the partials' tiling, each thread holding
+//      its channels' float4s in registers.
+// Each CTA of kernels 1 and 3 moves about 128 KB of vectors, each thread keeping
+// kLoads 16-byte loads in flight: enough bytes in flight per SM for the copy's
+// bandwidth, and one block reduction per 128 KB (docs/perf-notes.md #112).
 // All statistics are of d = (x - shift) * k (SliceShift, shift = the slice's first
 // value), as on the other paths: chunk means stay small, so combining them loses
 // nothing to the magnitude of x (1e4 + 0.1 * randn keeps its precision), a constant
@@ -23,50 +29,74 @@ namespace instance_norm {
 namespace split_detail {
 
 constexpr int kThreads = 256;
-constexpr int kValuesPerThread = 16;
-constexpr int64_t kChunk = kThreads * kValuesPerThread;  // contiguous: values per partial
-constexpr int kTileChannels = kWarpSize;                 // channels_last: block of 32 channels x 8 rows
-constexpr int kTileRows = kThreads / kTileChannels;
-constexpr int kRowsPerChunk = kTileRows * kValuesPerThread;  // channels_last: rows per partial
-constexpr int kSweepUnroll = 8;                              // vectors per thread per sweep tile
+// Units each thread loads at once (a unit: one 16-byte vector, or one value where x
+// is not vector-aligned), and rounds of such loads per CTA chunk.
+constexpr int kLoads = 8;
+constexpr int kChunkRounds = 4;
+constexpr int64_t kContiguousChunkUnits = int64_t{kThreads} * kLoads * kChunkRounds;
+constexpr int kSweepUnroll = 8;  // contiguous sweep: units per thread per tile
 constexpr int64_t kSweepTile = kThreads * kSweepUnroll;
 
-int64_t chunks_per_slice(const ForwardProblem& p) {
-  const int64_t chunk = p.layout == Layout::kContiguous ? kChunk : kRowsPerChunk;
-  return ceil_div(p.spatial, chunk);
-}
+// How the channels-last kernels share out a problem: each position's C values are a
+// row of C / V units (V values each; rows are C values apart); a CTA takes a tile of
+// tile_units consecutive units of the row (a warp reads them contiguously) for
+// row_groups rows at a time: thread t takes unit t % tile_units of rows
+// t / tile_units + k * row_groups. The fewer than 32 threads past
+// row_groups * tile_units idle. A CTA's chunk is chunk_rows rows of one n.
+struct ChannelsLastTiling {
+  int row_units;
+  int tile_units;
+  int row_groups;
+  int channel_tiles;
+  int64_t chunk_rows;
 
-int64_t partials_bytes(const ForwardProblem& p) {
-  if (p.running_mean != nullptr) return 0;
-  const int64_t bytes = p.num_slices() * chunks_per_slice(p) * static_cast<int64_t>(sizeof(SliceStats));
-  return round_up(bytes, 16);
-}
-
-// Statistics of this thread's `count` values d[0..count) (already shifted): their
-// mean, then the centered M2 (two passes over registers).
-template <int N>
-__device__ __forceinline__ SliceStats thread_stats(const float (&d)[N], int count) {
-  SliceStats stats{static_cast<float>(count), 0.f, 0.f};
-  if (count == 0) return stats;
-  float sum = 0.f;
-#pragma unroll
-  for (int k = 0; k < N; ++k) sum += k < count ? d[k] : 0.f;
-  stats.mean = sum / stats.count;
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    const float deviation = k < count ? d[k] - stats.mean : 0.f;
-    stats.m2 += deviation * deviation;
+  __host__ __device__ static ChannelsLastTiling of(int64_t num_channels, int values_per_unit) {
+    ChannelsLastTiling t;
+    t.row_units = static_cast<int>(num_channels / values_per_unit);
+    t.tile_units = t.row_units < kWarpSize ? t.row_units : kWarpSize;
+    t.row_groups = kThreads / t.tile_units;
+    t.channel_tiles = (t.row_units + t.tile_units - 1) / t.tile_units;
+    t.chunk_rows = int64_t{kChunkRounds} * kLoads * t.row_groups;
+    return t;
   }
-  return stats;
+  __host__ __device__ int64_t chunks(int64_t spatial) const { return (spatial + chunk_rows - 1) / chunk_rows; }
+};
+
+// Values per unit: one 16-byte vector where rows (contiguous: slices; channels-last:
+// positions) are whole vectors and `pointers` are 16-byte aligned, else 1.
+template <typename... Pointers>
+int unit_values(const ForwardProblem& p, Pointers... pointers) {
+  const int64_t row_length = p.layout == Layout::kContiguous ? p.spatial : p.num_channels;
+  const int vector = values_per_vector(p.dtype);
+  return row_length % vector == 0 && (aligned16(pointers) && ...) ? vector : 1;
 }
 
-// V values of x at `offset` (V = 1, or one 16-byte vector) as float.
+int64_t chunks_per_slice(const ForwardProblem& p, int stats_unit) {
+  if (p.layout == Layout::kChannelsLast) return ChannelsLastTiling::of(p.num_channels, stats_unit).chunks(p.spatial);
+  return ceil_div(p.spatial / stats_unit, kContiguousChunkUnits);
+}
+
+// One unit's bits as loaded: a 16-byte vector (V > 1) or one value. A round keeps its
+// units packed and unpacks them at each use, so a 16-bit round holds 4 registers per
+// vector in flight, not 8 floats.
 template <typename T, int V>
-__device__ __forceinline__ void load_values(const T* x, int64_t offset, float (&out)[V]) {
+using UnitBits = std::conditional_t<V == 1, T, uint4>;
+
+template <typename T, int V>
+__device__ __forceinline__ UnitBits<T, V> load_unit(const T* x, int64_t offset) {
   if constexpr (V == 1) {
-    out[0] = Storage<T>::to_float(__ldg(x + offset));
+    return __ldg(x + offset);
   } else {
-    Storage<T>::unpack(__ldg(reinterpret_cast<const uint4*>(x + offset)), out);
+    return __ldg(reinterpret_cast<const uint4*>(x + offset));
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void unpack_unit(const UnitBits<T, V>& bits, float (&out)[V]) {
+  if constexpr (V == 1) {
+    out[0] = Storage<T>::to_float(bits);
+  } else {
+    Storage<T>::unpack(bits, out);
   }
 }
 
@@ -87,97 +117,184 @@ __device__ __forceinline__ float slice_shift(const ForwardProblem& p, int64_t n,
   return Storage<T>::to_float(__ldg(static_cast<const T*>(p.x) + first));
 }
 
-// Kernel 1, contiguous: partials[slice * chunks + chunk] for chunks of kChunk values;
-// thread t reads units t + k * kThreads of its chunk (coalesced), a unit being V
-// values: one 16-byte vector where x and spatial allow, else one value.
+// This thread's units of one round, first + k * stride for k < count (count <=
+// kLoads), every load issued before any use.
+template <typename T, int V>
+__device__ __forceinline__ void load_round(const T* x, int64_t first, int64_t stride, int count,
+                                           UnitBits<T, V> (&bits)[kLoads]) {
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    if (k < count) bits[k] = load_unit<T, V>(x, first + k * stride);
+  }
+}
+
+// How many of a round's kLoads rows, round + k * row_groups, lie before the chunk's
+// end, `left` rows on (no 64-bit division per round).
+__device__ __forceinline__ int rows_in_round(int64_t left, int row_groups) {
+  int count = 0;
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) count += int64_t{k} * row_groups < left;
+  return count;
+}
+
+// Statistics of a round's first `count` units, per slice: value i of each unit
+// belongs to slice i % SLICES (SLICES = V: channels-last, a unit spans V channels;
+// SLICES = 1: contiguous), all shifted by shift[i % SLICES]. The mean of d, then the
+// M2 about it: two passes, each unpacking the units anew.
+template <typename T, int V, int SLICES>
+__device__ __forceinline__ void round_stats(const UnitBits<T, V> (&bits)[kLoads], int count,
+                                            const SliceShift (&shift)[SLICES], SliceStats (&out)[SLICES]) {
+  float sum[SLICES] = {};
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    if (k < count) {
+      float v[V];
+      unpack_unit<T, V>(bits[k], v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum[i % SLICES] += shift[i % SLICES].apply(v[i]);
+    }
+  }
+  const float per_slice = static_cast<float>(count * (V / SLICES));
+#pragma unroll
+  for (int j = 0; j < SLICES; ++j) out[j] = {per_slice, count > 0 ? sum[j] / per_slice : 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    if (k < count) {
+      float v[V];
+      unpack_unit<T, V>(bits[k], v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float deviation = shift[i % SLICES].apply(v[i]) - out[i % SLICES].mean;
+        out[i % SLICES].m2 += deviation * deviation;
+      }
+    }
+  }
+}
+
+// Kernel 1, contiguous: partials[slice * chunks + chunk] for chunks of
+// kContiguousChunkUnits units; per round thread t reads units t + k * kThreads of
+// the round's kThreads * kLoads (coalesced), merges their statistics into its own,
+// and the CTA reduces once per chunk.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     partial_stats_contiguous_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
-  constexpr int kUnits = kValuesPerThread / V;
+  constexpr int64_t kRoundUnits = int64_t{kThreads} * kLoads;
   __shared__ typename BlockStatsReduce<kThreads>::TempStorage storage;
   const T* x = static_cast<const T*>(p.x);
+  const int64_t slice_units = p.spatial / V;
   const int64_t num_tiles = p.num_slices() * chunks;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t slice = tile / chunks;
-    const int64_t begin = (tile - slice * chunks) * kChunk;
-    const int size = static_cast<int>(min(kChunk, p.spatial - begin));  // a multiple of V
-    const T* chunk_x = x + slice * p.spatial + begin;
-    const SliceShift shift = SliceShift::of(Storage<T>::to_float(__ldg(x + slice * p.spatial)));
-    const int units = min(kUnits, max(0, (size / V - static_cast<int>(threadIdx.x) + kThreads - 1) / kThreads));
-    float d[kValuesPerThread];
-#pragma unroll
-    for (int k = 0; k < kUnits; ++k) {
-      float v[V];
-      if (k < units) {
-        load_values<T, V>(chunk_x, (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V, v);
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) d[k * V + j] = k < units ? shift.apply(v[j]) : 0.f;
+    const int64_t begin = (tile - slice * chunks) * kContiguousChunkUnits;
+    const int64_t end = min(begin + kContiguousChunkUnits, slice_units);
+    const T* slice_x = x + slice * p.spatial;
+    const SliceShift shift[1] = {SliceShift::of(Storage<T>::to_float(__ldg(slice_x)))};
+    SliceStats stats{0.f, 0.f, 0.f};
+    for (int64_t round = begin; round < end; round += kRoundUnits) {
+      const int64_t first = round + threadIdx.x;
+      const int count = static_cast<int>(min(int64_t{kLoads}, max(int64_t{0}, (end - first + kThreads - 1) / kThreads)));
+      UnitBits<T, V> bits[kLoads];
+      load_round<T, V>(slice_x, first * V, int64_t{kThreads} * V, count, bits);
+      SliceStats round_total[1];
+      round_stats<T, V, 1>(bits, count, shift, round_total);
+      stats = combine(stats, round_total[0]);
     }
-    const SliceStats total = BlockStatsReduce<kThreads>::allreduce(thread_stats(d, units * V), storage);
+    const SliceStats total = BlockStatsReduce<kThreads>::allreduce(stats, storage);
     if (threadIdx.x == 0) partials[tile] = total;
   }
 }
 
-// Kernel 1, channels_last: a (32, 8) block covers 32 channels x kRowsPerChunk rows of
-// one n; thread (c, r) reads rows r + 8 k of channel c (a warp reads 32 consecutive
-// channels of one row). The 8 row groups are combined in order through shared memory into
-// partials[(n * C + c) * chunks + chunk].
-template <typename T>
+// The CTA tile of a channels-last kernel's tile index: n, chunk of rows and channel
+// tile (channel tiles vary fastest, so neighbouring CTAs read neighbouring bytes).
+struct ChannelsLastTile {
+  int64_t n;
+  int64_t chunk;
+  int unit;  // this thread's unit of the row
+  bool active;
+
+  __device__ static ChannelsLastTile of(const ChannelsLastTiling& t, int64_t tile, int64_t chunks) {
+    const int64_t n = tile / (chunks * t.channel_tiles);
+    const int64_t rest = tile - n * chunks * t.channel_tiles;
+    const int64_t chunk = rest / t.channel_tiles;
+    const int channel_tile = static_cast<int>(rest - chunk * t.channel_tiles);
+    const int unit = channel_tile * t.tile_units + static_cast<int>(threadIdx.x) % t.tile_units;
+    const bool active = static_cast<int>(threadIdx.x) / t.tile_units < t.row_groups && unit < t.row_units;
+    return {n, chunk, unit, active};
+  }
+};
+
+// Kernel 1, channels_last: per ChannelsLastTiling, thread (unit u, row group g) of a
+// CTA merges the statistics of rows g + k * row_groups of its chunk for each of its
+// V channels; the row groups' statistics are then combined through shared memory by
+// a fixed tree into partials[(n * C + channel) * chunks + chunk].
+template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     partial_stats_channels_last_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
-  using S = Storage<T>;
-  __shared__ SliceStats row_groups[kTileRows][kTileChannels];
+  __shared__ SliceStats group_stats[kThreads][V];
   const T* x = static_cast<const T*>(p.x);
-  const int64_t channel_tiles = (p.num_channels + kTileChannels - 1) / kTileChannels;
-  const int64_t num_tiles = p.batch * chunks * channel_tiles;
-  const int tx = threadIdx.x % kTileChannels;
-  const int ty = threadIdx.x / kTileChannels;
-  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const int64_t n = tile / (chunks * channel_tiles);
-    const int64_t rest = tile - n * chunks * channel_tiles;
-    const int64_t chunk = rest / channel_tiles;
-    const int64_t channel = (rest - chunk * channel_tiles) * kTileChannels + tx;
-    const int64_t row_begin = chunk * kRowsPerChunk;
-    const int rows = static_cast<int>(min(static_cast<int64_t>(kRowsPerChunk), p.spatial - row_begin));
-    const bool active = channel < p.num_channels;
-    const T* column = x + (n * p.spatial + row_begin) * p.num_channels + channel;
-    const SliceShift shift = SliceShift::of(active ? slice_shift<T>(p, n, channel) : 0.f);
-    const int count = active ? min(kValuesPerThread, max(0, (rows - ty + kTileRows - 1) / kTileRows)) : 0;
-    float d[kValuesPerThread];
+  const ChannelsLastTiling tiling = ChannelsLastTiling::of(p.num_channels, V);
+  const int group = static_cast<int>(threadIdx.x) / tiling.tile_units;
+  const int64_t num_tiles = p.batch * chunks * tiling.channel_tiles;
+  const int64_t round_rows = int64_t{kLoads} * tiling.row_groups;
+  for (int64_t tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+    const ChannelsLastTile tile = ChannelsLastTile::of(tiling, tile_index, chunks);
+    const int64_t row_begin = tile.chunk * tiling.chunk_rows;
+    const int64_t row_end = min(row_begin + tiling.chunk_rows, p.spatial);
+    const T* column = x + tile.n * p.spatial * p.num_channels + int64_t{tile.unit} * V;  // row 0, this unit
+    SliceStats stats[V];
 #pragma unroll
-    for (int k = 0; k < kValuesPerThread; ++k) {
-      d[k] = k < count ? shift.apply(S::to_float(__ldg(column + (ty + k * kTileRows) * p.num_channels))) : 0.f;
+    for (int i = 0; i < V; ++i) stats[i] = SliceStats{0.f, 0.f, 0.f};
+    if (tile.active) {
+      float first[V];
+      unpack_unit<T, V>(load_unit<T, V>(column, 0), first);
+      SliceShift shift[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) shift[i] = SliceShift::of(first[i]);
+      for (int64_t round = row_begin + group; round < row_end; round += round_rows) {
+        const int count = rows_in_round(row_end - round, tiling.row_groups);
+        UnitBits<T, V> bits[kLoads];
+        load_round<T, V>(column, round * p.num_channels, tiling.row_groups * p.num_channels, count, bits);
+        SliceStats round_total[V];
+        round_stats<T, V, V>(bits, count, shift, round_total);
+#pragma unroll
+        for (int i = 0; i < V; ++i) stats[i] = combine(stats[i], round_total[i]);
+      }
     }
-    row_groups[ty][tx] = thread_stats(d, count);
+#pragma unroll
+    for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = stats[i];
     __syncthreads();
-    if (ty == 0 && active) {
-      SliceStats total = row_groups[0][tx];
+    // Row group g takes in g + step for step = 1, 2, 4, ...: a fixed order.
+    for (int step = 1; step < tiling.row_groups; step *= 2) {
+      if (group % (2 * step) == 0 && group + step < tiling.row_groups) {
+        const int other = threadIdx.x + step * tiling.tile_units;
 #pragma unroll
-      for (int r = 1; r < kTileRows; ++r) total = combine(total, row_groups[r][tx]);
-      partials[(n * p.num_channels + channel) * chunks + chunk] = total;
+        for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = combine(group_stats[threadIdx.x][i], group_stats[other][i]);
+      }
+      __syncthreads();
     }
-    __syncthreads();  // row_groups is rewritten by the next tile
+    if (group == 0 && tile.active) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const int64_t channel = int64_t{tile.unit} * V + i;
+        partials[(tile.n * p.num_channels + channel) * chunks + tile.chunk] = group_stats[threadIdx.x][i];
+      }
+    }
+    __syncthreads();  // group_stats is rewritten by the next tile
   }
 }
 
 // Kernel 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]} (scaled
-// back from d by 1 / k and k, which is exact); the slice's statistics are its chunks' partials combined (and saved to the optional
-// outputs), or running_mean[c] and running_var[c] in eval (shift 0). One warp per
-// slice: lane l combines chunks l, l + 32, ... in order, then the symmetric xor
-// butterfly (a fixed order: bit-identical run to run). A slice of 128^3 values has
-// 512 chunks, which one thread would walk with a dependent load each.
+// back from d by 1 / k and k, which is exact); the slice's statistics are its chunks'
+// partials combined (and saved to the optional outputs), or running_mean[c] and
+// running_var[c] in eval (shift 0). A CTA per slice: thread t combines chunks t,
+// t + kThreads, ... in order, then one block reduction (a fixed order: bit-identical
+// run to run). Slices of millions of values have thousands of chunks.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     slice_stats_kernel(const ForwardProblem p, int64_t chunks, const SliceStats* partials, float4* slice_stats) {
-  constexpr int kWarps = kThreads / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
+  __shared__ typename BlockStatsReduce<kThreads>::TempStorage storage;
   const int64_t num_slices = p.num_slices();
-  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; slice < num_slices;
-       slice += static_cast<int64_t>(gridDim.x) * kWarps) {
+  for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
     const int64_t n = slice / p.num_channels;
     const int64_t channel = slice - n * p.num_channels;
     float shift = 0.f, mean, rstd;
@@ -187,33 +304,42 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       const SliceShift slice_shift_scale = SliceShift::of(slice_shift<T>(p, n, channel));
       SliceStats total{0.f, 0.f, 0.f};
-      for (int64_t j = lane; j < chunks; j += kWarpSize) total = combine(total, partials[slice * chunks + j]);
-      total = warp_allreduce(total, CombineStats());
+      for (int64_t j = threadIdx.x; j < chunks; j += kThreads) total = combine(total, partials[slice * chunks + j]);
+      total = BlockStatsReduce<kThreads>::allreduce(total, storage);
       shift = slice_shift_scale.value();
       mean = slice_shift_scale.relative_mean(total.mean);
       rstd = slice_shift_scale.rstd(slice_shift_scale.rstd_of_d(total.m2, static_cast<float>(p.spatial), p.eps));
-      if (lane == 0 && p.mean != nullptr) p.mean[slice] = slice_shift_scale.mean(total.mean);
-      if (lane == 0 && p.rstd != nullptr) p.rstd[slice] = rstd;
+      if (threadIdx.x == 0 && p.mean != nullptr) p.mean[slice] = slice_shift_scale.mean(total.mean);
+      if (threadIdx.x == 0 && p.rstd != nullptr) p.rstd[slice] = rstd;
     }
     const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
     const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
-    if (lane == 0) slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
+    if (threadIdx.x == 0) slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
   }
 }
 
-// Kernel 3: y = ((x - shift) - mean) * scale + bias with the float4 of the element's slice, over
-// the flat tensor in units of V values (one vector, or one value where x, y or the
-// row length is not vector-aligned). Units are split into (row, column) per unit
-// with FastDivider, from a per-tile base that thread 0 splits in 64 bits:
-//   contiguous:    row = slice, columns = spatial / V; the unit's values share the slice;
-//   channels_last: row = n * spatial + s, columns = C / V; value k of the unit is
-//                  channel column * V + k of slice n * C + channel.
-template <typename T, Layout LAYOUT, int V>
-__global__ void __launch_bounds__(kThreads)
-    normalize_kernel(const ForwardProblem p, const float4* slice_stats, FastDivider columns, FastDivider spatial) {
-  __shared__ int64_t tile_row, tile_column, tile_n, tile_s;
-  const T* x = static_cast<const T*>(p.x);
+// y of V values from their x and the float4s of their slices, the epilogue applied,
+// stored at `offset`.
+template <typename T, int V>
+__device__ __forceinline__ void normalize_store(const ForwardProblem& p, int64_t offset, float (&v)[V],
+                                                const float4 (&s)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) v[i] = ((v[i] - s[i].x) - s[i].y) * s[i].z + s[i].w;
   T* y = static_cast<T*>(p.y);
+  apply_epilogue(p.epilogue, p.y, y + offset, v);
+  store_values<T, V>(y, offset, v);
+}
+
+// Kernel 3, contiguous: y = ((x - shift) - mean) * scale + bias with the float4 of
+// the element's slice, over the flat tensor in units of V values (one vector, or one
+// value where x, y or the slice is not vector-aligned); a unit's values share a
+// slice. Units are split into (slice, column) with FastDivider, from a per-tile base
+// that thread 0 splits in 64 bits.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    normalize_contiguous_kernel(const ForwardProblem p, const float4* slice_stats, FastDivider columns) {
+  __shared__ int64_t tile_row, tile_column;
+  const T* x = static_cast<const T*>(p.x);
   const int64_t num_units = p.num_slices() * p.spatial / V;
   const int64_t num_tiles = (num_units + kSweepTile - 1) / kSweepTile;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -222,10 +348,6 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t base = tile * kSweepTile;
       tile_row = base / columns.divisor;
       tile_column = base - tile_row * columns.divisor;
-      if constexpr (LAYOUT == Layout::kChannelsLast) {
-        tile_n = tile_row / p.spatial;
-        tile_s = tile_row - tile_n * p.spatial;
-      }
     }
     __syncthreads();
 #pragma unroll
@@ -233,42 +355,54 @@ __global__ void __launch_bounds__(kThreads)
       const int e = threadIdx.x + k * kThreads;
       const int64_t unit = tile * kSweepTile + e;
       if (unit >= num_units) break;
-      const unsigned t = static_cast<unsigned>(tile_column + e);
-      const unsigned q = columns.div(t);
+      const unsigned q = columns.div(static_cast<unsigned>(tile_column + e));
       float v[V];
-      load_values<T, V>(x, unit * V, v);
-      if constexpr (LAYOUT == Layout::kContiguous) {
-        const float4 s = slice_stats[tile_row + q];
+      unpack_unit<T, V>(load_unit<T, V>(x, unit * V), v);
+      const float4 slice = slice_stats[tile_row + q];
+      float4 s[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) v[i] = ((v[i] - s.x) - s.y) * s.z + s.w;
-      } else {
-        const int64_t n = tile_n + spatial.div(static_cast<unsigned>(tile_s + q));
-        const int64_t first_slice = n * p.num_channels + static_cast<int64_t>(t - q * columns.divisor) * V;
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          const float4 s = slice_stats[first_slice + i];
-          v[i] = ((v[i] - s.x) - s.y) * s.z + s.w;
-        }
-      }
-      apply_epilogue(p.epilogue, p.y, y + unit * V, v);
-      store_values<T, V>(y, unit * V, v);
+      for (int i = 0; i < V; ++i) s[i] = slice;
+      normalize_store<T, V>(p, unit * V, v, s);
     }
   }
 }
 
-template <typename T, Layout LAYOUT>
-cudaError_t launch_normalize(const ForwardProblem& p, const SplitPlan& plan, const float4* slice_stats,
-                             cudaStream_t stream) {
-  constexpr int kVector = Storage<T>::kPerVector;
-  const int64_t row_length = LAYOUT == Layout::kContiguous ? p.spatial : p.num_channels;
-  const FastDivider columns(static_cast<unsigned>(row_length / plan.sweep_unit));
-  const FastDivider spatial(static_cast<unsigned>(p.spatial));
-  if (plan.sweep_unit == kVector) {
-    normalize_kernel<T, LAYOUT, kVector><<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
-  } else {
-    normalize_kernel<T, LAYOUT, 1><<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, columns, spatial);
+// Kernel 3, channels_last: per ChannelsLastTiling (chunks of sweep_chunks), each
+// thread holds the float4s of its unit's V channels in registers and sweeps its rows,
+// kLoads loads in flight.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    normalize_channels_last_kernel(const ForwardProblem p, const float4* slice_stats, int64_t chunks) {
+  const T* x = static_cast<const T*>(p.x);
+  const ChannelsLastTiling tiling = ChannelsLastTiling::of(p.num_channels, V);
+  const int group = static_cast<int>(threadIdx.x) / tiling.tile_units;
+  const int64_t num_tiles = p.batch * chunks * tiling.channel_tiles;
+  const int64_t round_rows = int64_t{kLoads} * tiling.row_groups;
+  const int64_t row_stride = tiling.row_groups * p.num_channels;
+  for (int64_t tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
+    const ChannelsLastTile tile = ChannelsLastTile::of(tiling, tile_index, chunks);
+    if (!tile.active) continue;
+    float4 s[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) s[i] = slice_stats[tile.n * p.num_channels + int64_t{tile.unit} * V + i];
+    const int64_t row_begin = tile.chunk * tiling.chunk_rows;
+    const int64_t row_end = min(row_begin + tiling.chunk_rows, p.spatial);
+    const int64_t column = tile.n * p.spatial * p.num_channels + int64_t{tile.unit} * V;  // row 0, this unit
+    for (int64_t round = row_begin + group; round < row_end; round += round_rows) {
+      const int count = rows_in_round(row_end - round, tiling.row_groups);
+      const int64_t first = column + round * p.num_channels;
+      UnitBits<T, V> bits[kLoads];
+      load_round<T, V>(x, first, row_stride, count, bits);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        if (k < count) {
+          float v[V];
+          unpack_unit<T, V>(bits[k], v);
+          normalize_store<T, V>(p, first + k * row_stride, v, s);
+        }
+      }
+    }
   }
-  return cudaGetLastError();
 }
 
 }  // namespace split_detail
@@ -283,21 +417,60 @@ ForwardPlan split_plan(const ForwardProblem& p) {
   ForwardPlan plan{};
   plan.path = ForwardPath::kSplit;
   SplitPlan& split = plan.split;
-  const int vector = values_per_vector(p.dtype);
   const bool contiguous = p.layout == Layout::kContiguous;
-  split.chunks = chunks_per_slice(p);
-  split.partials_bytes = static_cast<size_t>(partials_bytes(p));
+  split.stats_unit = unit_values(p, p.x);
+  split.sweep_unit = unit_values(p, p.x, p.y);
+  split.chunks = chunks_per_slice(p, split.stats_unit);
+  const int64_t partials = p.running_mean != nullptr ? 0 : p.num_slices() * split.chunks;
+  split.partials_bytes = static_cast<size_t>(round_up(partials * static_cast<int64_t>(sizeof(SliceStats)), 16));
   plan.workspace_bytes = split.partials_bytes + static_cast<size_t>(p.num_slices()) * sizeof(float4);
-  split.vector_stats = contiguous && p.spatial % vector == 0 && aligned16(p.x);
-  const int64_t channel_tiles = (p.num_channels + kTileChannels - 1) / kTileChannels;
-  split.stats_grid = grid_for(contiguous ? p.num_slices() * split.chunks : p.batch * split.chunks * channel_tiles, 1);
-  split.combine_grid = grid_for(p.num_slices(), kThreads / kWarpSize);
-  // The sweep's rows: slices (contiguous) or positions (channels-last).
-  const int64_t row_length = contiguous ? p.spatial : p.num_channels;
-  split.sweep_unit = row_length % vector == 0 && aligned16(p.x) && aligned16(p.y) ? vector : 1;
-  split.sweep_grid = grid_for(p.num_slices() * p.spatial / split.sweep_unit, kSweepTile);
+  split.combine_grid = grid_for(p.num_slices(), 1);
+  if (contiguous) {
+    split.stats_grid = grid_for(partials, 1);
+    split.sweep_grid = grid_for(p.num_slices() * p.spatial / split.sweep_unit, kSweepTile);
+  } else {
+    const ChannelsLastTiling stats = ChannelsLastTiling::of(p.num_channels, split.stats_unit);
+    const ChannelsLastTiling sweep = ChannelsLastTiling::of(p.num_channels, split.sweep_unit);
+    split.stats_grid = grid_for(p.batch * split.chunks * stats.channel_tiles, 1);
+    split.sweep_chunks = sweep.chunks(p.spatial);
+    split.sweep_grid = grid_for(p.batch * split.sweep_chunks * sweep.channel_tiles, 1);
+  }
   return plan;
 }
+
+namespace split_detail {
+
+// Kernel 1 for T and the plan's unit.
+template <typename T>
+void launch_partial_stats(const ForwardProblem& p, const SplitPlan& plan, SliceStats* partials, cudaStream_t stream) {
+  constexpr int kVector = Storage<T>::kPerVector;
+  const bool vector = plan.stats_unit == kVector;
+  if (p.layout == Layout::kContiguous) {
+    auto kernel = vector ? partial_stats_contiguous_kernel<T, kVector> : partial_stats_contiguous_kernel<T, 1>;
+    kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
+  } else {
+    auto kernel = vector ? partial_stats_channels_last_kernel<T, kVector> : partial_stats_channels_last_kernel<T, 1>;
+    kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
+  }
+}
+
+// Kernel 3 for T and the plan's unit.
+template <typename T>
+void launch_normalize(const ForwardProblem& p, const SplitPlan& plan, const float4* slice_stats,
+                      cudaStream_t stream) {
+  constexpr int kVector = Storage<T>::kPerVector;
+  const bool vector = plan.sweep_unit == kVector;
+  if (p.layout == Layout::kContiguous) {
+    const FastDivider columns(static_cast<unsigned>(p.spatial / plan.sweep_unit));
+    auto kernel = vector ? normalize_contiguous_kernel<T, kVector> : normalize_contiguous_kernel<T, 1>;
+    kernel<<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, columns);
+  } else {
+    auto kernel = vector ? normalize_channels_last_kernel<T, kVector> : normalize_channels_last_kernel<T, 1>;
+    kernel<<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, plan.sweep_chunks);
+  }
+}
+
+}  // namespace split_detail
 
 cudaError_t launch_split(const ForwardProblem& p, const SplitPlan& plan, cudaStream_t stream) {
   using namespace split_detail;
@@ -306,27 +479,16 @@ cudaError_t launch_split(const ForwardProblem& p, const SplitPlan& plan, cudaStr
   auto* slice_stats = reinterpret_cast<float4*>(static_cast<char*>(p.workspace) + plan.partials_bytes);
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const bool contiguous = p.layout == Layout::kContiguous;
     if (p.running_mean == nullptr) {
-      if (contiguous) {
-        constexpr int kVector = Storage<T>::kPerVector;
-        if (plan.vector_stats) {
-          partial_stats_contiguous_kernel<T, kVector><<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks,
-                                                                                                partials);
-        } else {
-          partial_stats_contiguous_kernel<T, 1><<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
-        }
-      } else {
-        partial_stats_channels_last_kernel<T><<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
-      }
+      launch_partial_stats<T>(p, plan, partials, stream);
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
     slice_stats_kernel<T><<<plan.combine_grid, kThreads, 0, stream>>>(p, plan.chunks, partials, slice_stats);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
-    return contiguous ? launch_normalize<T, Layout::kContiguous>(p, plan, slice_stats, stream)
-                      : launch_normalize<T, Layout::kChannelsLast>(p, plan, slice_stats, stream);
+    launch_normalize<T>(p, plan, slice_stats, stream);
+    return cudaGetLastError();
   });
 }
 
