@@ -636,9 +636,6 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
     const float mean = __ldg(p.mean + slice);
     const float rstd = __ldg(p.rstd + slice);
     const float weight = channel_weight(p, slice % p.num_channels);
-    // With an activation (no residual on this path): dy through its derivative, the
-    // map rebuilt at each use (its bias read from L1) so no registers are held.
-    constexpr bool kEpilogue = ACTIVATION != Activation::kNone;
 
     uint4 x_raw[kVecs];
     wait_mbarrier_phase(&x_full, static_cast<unsigned>(round) & 1u);
@@ -650,6 +647,19 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
       stage_x(next);
     }
 
+    // x and dy of one vector as float, dy through the activation's derivative (with an
+    // activation; no residual on this path), the map rebuilt at each use (its bias read
+    // from L1) so no registers are held.
+    const auto unpack_pair = [&](const uint4& x_bits, const uint4& dy_bits, float(&xv)[kPer], float(&dyv)[kPer]) {
+      S::unpack(x_bits, xv);
+      S::unpack(dy_bits, dyv);
+      if constexpr (ACTIVATION != Activation::kNone) {
+        const PreActivation map = pre_activation(p, mean, rstd, weight, slice % p.num_channels);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) dyv[k] = through_epilogue<ACTIVATION>(p.epilogue, map, xv[k], dyv[k], 0.f);
+      }
+    };
+
     // dy, first read (HBM), in batches: L2 is asked to keep it for the second.
     float2 sums = make_float2(0.f, 0.f);
 #pragma unroll
@@ -660,13 +670,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
       for (int j = 0; j < kBatch; ++j) {
         if (b + j < valid) {
           float xv[kPer], dyv[kPer];
-          S::unpack(x_raw[b + j], xv);
-          S::unpack(dy_raw[j], dyv);
-          if constexpr (kEpilogue) {
-            const PreActivation map = pre_activation(p, mean, rstd, weight, slice % p.num_channels);
-#pragma unroll
-            for (int k = 0; k < kPer; ++k) dyv[k] = through_epilogue<ACTIVATION>(p.epilogue, map, xv[k], dyv[k], 0.f);
-          }
+          unpack_pair(x_raw[b + j], dy_raw[j], xv, dyv);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
         }
@@ -692,13 +696,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         float xv[kPer], dyv[kPer], out[kPer];
-        S::unpack(x_raw[b + j], xv);
-        S::unpack(dy_raw[j], dyv);
-        if constexpr (kEpilogue) {
-          const PreActivation map = pre_activation(p, mean, rstd, weight, slice % p.num_channels);
-#pragma unroll
-          for (int k = 0; k < kPer; ++k) dyv[k] = through_epilogue<ACTIVATION>(p.epilogue, map, xv[k], dyv[k], 0.f);
-        }
+        unpack_pair(x_raw[b + j], dy_raw[j], xv, dyv);
 #pragma unroll
         for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
         dx_raw[j] = S::pack(out);
