@@ -487,30 +487,84 @@ __device__ __forceinline__ void with_activation(Activation a, F f) {
   }
 }
 
-// The epilogue of N values a thread stores at `out`, an element of y (N = one
-// 16-byte vector, or 1): adds the residual's values at the same element, then the
-// activation. The residual has y's shape and layout, so its element sits at the
-// same offset from its base; a vector store address is 16-byte aligned, and so then
-// is the residual's (both bases are). Without an epilogue nothing is read.
+// Adds the residual's N values at the element `out` of y (N = one 16-byte vector, or
+// 1). The residual has y's shape and layout, so its element sits at the same offset
+// from its base; a vector store address is 16-byte aligned, and so then is the
+// residual's (both bases are).
+template <typename T, int N>
+__device__ __forceinline__ void add_residual(const void* residual, const void* y, const T* out, float (&v)[N]) {
+  const T* r = static_cast<const T*>(residual) + (out - static_cast<const T*>(y));
+  if constexpr (N == Storage<T>::kPerVector && N > 1) {
+    float rv[N];
+    Storage<T>::unpack(__ldg(reinterpret_cast<const uint4*>(r)), rv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] += rv[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] += Storage<T>::to_float(__ldg(r + k));
+  }
+}
+
+// The epilogue of N values a thread stores at `out`, an element of y: adds the
+// residual's values at the same element (add_residual), then the activation, chosen
+// at run time per call. Without an epilogue nothing is read.
 template <typename T, int N>
 __device__ __forceinline__ void apply_epilogue(const Epilogue& e, const void* y, const T* out, float (&v)[N]) {
   if (!e.active()) return;
-  if (e.residual != nullptr) {
-    const T* r = static_cast<const T*>(e.residual) + (out - static_cast<const T*>(y));
-    if constexpr (N == Storage<T>::kPerVector && N > 1) {
-      float rv[N];
-      Storage<T>::unpack(__ldg(reinterpret_cast<const uint4*>(r)), rv);
-#pragma unroll
-      for (int k = 0; k < N; ++k) v[k] += rv[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < N; ++k) v[k] += Storage<T>::to_float(__ldg(r + k));
-    }
-  }
+  if (e.residual != nullptr) add_residual<T, N>(e.residual, y, out, v);
   with_activation(e.activation, [&](auto a) {
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = activate<decltype(a)::value>(v[k], e.negative_slope);
   });
+}
+
+// Epilogues as functors epilogue(y, out, v), for a store loop written once:
+// NoEpilogue does nothing; DynamicEpilogue is apply_epilogue; StaticEpilogue has its
+// activation and residual fixed at compile time, so the loop holds one activation's
+// code and no branch between its stores (with_static_epilogue picks it per call).
+struct NoEpilogue {
+  template <typename T, int N>
+  __device__ __forceinline__ void operator()(const void*, const T*, float (&)[N]) const {}
+};
+
+struct DynamicEpilogue {
+  const Epilogue& e;
+  template <typename T, int N>
+  __device__ __forceinline__ void operator()(const void* y, const T* out, float (&v)[N]) const {
+    apply_epilogue<T, N>(e, y, out, v);
+  }
+};
+
+template <Activation A, bool RESIDUAL>
+struct StaticEpilogue {
+  float negative_slope;
+  const void* residual;
+  template <typename T, int N>
+  __device__ __forceinline__ void operator()(const void* y, const T* out, float (&v)[N]) const {
+    if constexpr (RESIDUAL) add_residual<T, N>(residual, y, out, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = activate<A>(v[k], negative_slope);
+  }
+};
+
+// f(StaticEpilogue<A, RESIDUAL>) for an active epilogue e (e.active()): one
+// instantiation of f per activation with and without a residual, and the residual
+// alone.
+template <typename F>
+__device__ __forceinline__ void with_static_epilogue(const Epilogue& e, F f) {
+  const auto with_residual_or_not = [&](auto a) {
+    constexpr Activation kA = decltype(a)::value;
+    if (e.residual != nullptr) {
+      f(StaticEpilogue<kA, true>{e.negative_slope, e.residual});
+    } else {
+      f(StaticEpilogue<kA, false>{e.negative_slope, nullptr});
+    }
+  };
+  if (e.activation == Activation::kNone) {
+    f(StaticEpilogue<Activation::kNone, true>{e.negative_slope, e.residual});
+  } else {
+    with_activation(e.activation, with_residual_or_not);
+  }
 }
 
 // One value's epilogue (scalar stores).

@@ -463,17 +463,27 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
-    with_valid_count<kVecs>(valid, [&](auto count) {
-      for_each_unpacked<T>(raw, count, [&](int i, const float(&v)[kPer]) {
-        float out[kPer];
+    const auto store_slice = [&](auto epilogue) {
+      with_valid_count<kVecs>(valid, [&](auto count) {
+        for_each_unpacked<T>(raw, count, [&](int i, const float(&v)[kPer]) {
+          float out[kPer];
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(kHoldsD ? v[k] : shift.apply(v[k]), scale, offset);
-        if constexpr (EPILOGUE) {
-          apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(slice_y + first + i * THREADS), out);
-        }
-        store_streaming(slice_y + first + i * THREADS, S::pack(out));
+          for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(kHoldsD ? v[k] : shift.apply(v[k]), scale, offset);
+          epilogue(p.y, reinterpret_cast<const T*>(slice_y + first + i * THREADS), out);
+          store_streaming(slice_y + first + i * THREADS, S::pack(out));
+        });
       });
-    });
+    };
+    // 16-bit stores unpack each vector again, and a switch over the activation per
+    // vector there grew the kernel fivefold (docs/perf-notes.md #115, #118): so their store loop
+    // is compiled once per activation and residual. float32 keeps one loop.
+    if constexpr (!EPILOGUE) {
+      store_slice(NoEpilogue{});
+    } else if constexpr (kHoldsD) {
+      store_slice(DynamicEpilogue{p.epilogue});
+    } else {
+      with_static_epilogue(p.epilogue, store_slice);
+    }
     // After the stores, where the values' registers are free (saving earlier spills).
     if (threadIdx.x == 0 && team.rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     first_value = next_first_value;
