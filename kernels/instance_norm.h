@@ -141,6 +141,7 @@ struct KernelLaunch {
 // The split path's three launches (instance_norm_split.cu): partial statistics per
 // chunk, their combination per slice, the normalize sweep.
 struct SplitPlan {
+  int chunk_rounds;       // rounds of loads per chunk (1, 2 or 4), for the partials and the channels-last sweep
   int64_t chunks;         // partials per slice (contiguous: chunks of values; channels-last: of rows)
   size_t partials_bytes;  // the workspace's partials, before the per-slice float4s
   int stats_unit;         // values per unit of the partials' loads: one 16-byte vector, or 1

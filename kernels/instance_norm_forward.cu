@@ -694,12 +694,21 @@ bool pipelined_preferred(const ForwardPlan& pipelined, const ForwardPlan& cooper
          pipelined.teams * pipelined.team_size >= cooperative.teams * cooperative.team_size;
 }
 
+// Where a slice fits only one cooperative team on the GPU, the split path in its place
+// for fp32 problems whose team would take kSplitOverOneTeamMinRounds slices or more:
+// one team walks the slices one after another, with a block reduction and a team
+// barrier per slice that leave DRAM half busy, while the split path's two reads keep
+// it streaming (docs/perf-notes.md #114, #120). 16-bit slices keep the team.
+bool split_preferred(const ForwardProblem& p, const ForwardPlan& cooperative) {
+  return p.dtype == DType::kFloat32 && cooperative.teams == 1 && p.num_slices() >= kSplitOverOneTeamMinRounds;
+}
+
 static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest variant holds 32 values per lane");
 
 // Slices that fit a warp take the warp path; larger ones the block path where
 // block_preferred, else the cluster path where it runs, else the pipelined path where
 // pipelined_preferred (fp32 only), else cooperative teams where the slice fits the
-// resident CTAs, else the split path. Channels-last input takes the block path where
+// resident CTAs and not split_preferred, else the split path. Channels-last input takes the block path where
 // block_preferred, else the split path.
 ForwardPlan chosen_plan(const ForwardProblem& p) {
   if (p.layout != Layout::kContiguous) {
@@ -716,7 +725,7 @@ ForwardPlan chosen_plan(const ForwardProblem& p) {
     const ForwardPlan pipelined = pipelined_plan(p);
     if (pipelined_preferred(pipelined, cooperative)) return pipelined;
   }
-  return cooperative.valid() ? cooperative : split_plan(p);
+  return cooperative.valid() && !split_preferred(p, cooperative) ? cooperative : split_plan(p);
 }
 
 // The plan of `path` (kAuto: the chooser's), invalid where it cannot run p.

@@ -4,7 +4,7 @@
 //
 // Split path, three launches:
 //   1. partial statistics (count, mean, M2) of each chunk of each slice, a CTA per
-//      chunk: contiguous, chunks of kContiguousChunkUnits units (values or 16-byte
+//      chunk: contiguous, chunks of contiguous_chunk_units units (values or 16-byte
 //      vectors) of one slice; channels-last, chunks of ChannelsLastTiling::chunk_rows
 //      positions of one n for a tile of up to 32 units of channels;
 //   2. a CTA per slice combines its chunks in a fixed order (Chan et al.) into
@@ -12,9 +12,11 @@
 //   3. an elementwise sweep y = ((x - shift) - mean) * scale + bias: contiguous over
 //      the flat tensor; channels-last by the partials' tiling, each thread holding
 //      its channels' float4s in registers.
-// Each CTA of kernels 1 and 3 moves about 128 KB of vectors, each thread keeping
-// kLoads 16-byte loads in flight: enough bytes in flight per SM for the copy's
-// bandwidth, and one block reduction per 128 KB (docs/perf-notes.md #112).
+// Each CTA of kernels 1 and 3 moves up to about 128 KB of vectors (chunk_rounds of
+// kLoads 16-byte loads per thread, each round's loads in flight at once): enough
+// bytes in flight per SM for the copy's bandwidth, and one block reduction per 128 KB
+// (docs/perf-notes.md #112); small tensors take fewer rounds per chunk, so their
+// partials still spread over the SMs (split_chunk_rounds).
 // All statistics are of d = (x - shift) * k (SliceShift, shift = the slice's first
 // value), as on the other paths: chunk means stay small, so combining them loses
 // nothing to the magnitude of x (1e4 + 0.1 * randn keeps its precision), a constant
@@ -22,6 +24,7 @@
 // Every reduction has a fixed order, so results are bit-identical run to run.
 #include "common.cuh"
 #include "split.h"
+#include "tuning.h"
 
 namespace instance_norm {
 // load_inline compiles all .cu sources as one translation unit: each file keeps
@@ -30,10 +33,9 @@ namespace split_detail {
 
 constexpr int kThreads = 256;
 // Units each thread loads at once (a unit: one 16-byte vector, or one value where x
-// is not vector-aligned), and rounds of such loads per CTA chunk.
+// is not vector-aligned), and the most rounds of such loads per CTA chunk.
 constexpr int kLoads = 8;
-constexpr int kChunkRounds = 4;
-constexpr int64_t kContiguousChunkUnits = int64_t{kThreads} * kLoads * kChunkRounds;
+constexpr int kMaxChunkRounds = 4;
 constexpr int kSweepUnroll = 8;  // contiguous sweep: units per thread per tile
 constexpr int64_t kSweepTile = kThreads * kSweepUnroll;
 
@@ -42,7 +44,8 @@ constexpr int64_t kSweepTile = kThreads * kSweepUnroll;
 // tile_units consecutive units of the row (a warp reads them contiguously) for
 // row_groups rows at a time: thread t takes unit t % tile_units of rows
 // t / tile_units + k * row_groups. The fewer than 32 threads past
-// row_groups * tile_units idle. A CTA's chunk is chunk_rows rows of one n.
+// row_groups * tile_units idle. A CTA's chunk is chunk_rows rows of one n:
+// chunk_rounds rounds of kLoads rows per row group.
 struct ChannelsLastTiling {
   int row_units;
   int tile_units;
@@ -50,13 +53,13 @@ struct ChannelsLastTiling {
   int channel_tiles;
   int64_t chunk_rows;
 
-  __host__ __device__ static ChannelsLastTiling of(int64_t num_channels, int values_per_unit) {
+  __host__ __device__ static ChannelsLastTiling of(int64_t num_channels, int values_per_unit, int chunk_rounds) {
     ChannelsLastTiling t;
     t.row_units = static_cast<int>(num_channels / values_per_unit);
     t.tile_units = t.row_units < kWarpSize ? t.row_units : kWarpSize;
     t.row_groups = kThreads / t.tile_units;
     t.channel_tiles = (t.row_units + t.tile_units - 1) / t.tile_units;
-    t.chunk_rows = int64_t{kChunkRounds} * kLoads * t.row_groups;
+    t.chunk_rows = int64_t{chunk_rounds} * kLoads * t.row_groups;
     return t;
   }
   __host__ __device__ int64_t chunks(int64_t spatial) const { return (spatial + chunk_rows - 1) / chunk_rows; }
@@ -71,9 +74,33 @@ int unit_values(const ForwardProblem& p, Pointers... pointers) {
   return row_length % vector == 0 && (aligned16(pointers) && ...) ? vector : 1;
 }
 
-int64_t chunks_per_slice(const ForwardProblem& p, int stats_unit) {
-  if (p.layout == Layout::kChannelsLast) return ChannelsLastTiling::of(p.num_channels, stats_unit).chunks(p.spatial);
-  return ceil_div(p.spatial / stats_unit, kContiguousChunkUnits);
+// Contiguous chunks: units per CTA chunk.
+__host__ __device__ constexpr int64_t contiguous_chunk_units(int chunk_rounds) {
+  return int64_t{kThreads} * kLoads * chunk_rounds;
+}
+
+int64_t chunks_per_slice(const ForwardProblem& p, int stats_unit, int chunk_rounds) {
+  if (p.layout == Layout::kChannelsLast) {
+    return ChannelsLastTiling::of(p.num_channels, stats_unit, chunk_rounds).chunks(p.spatial);
+  }
+  return ceil_div(p.spatial / stats_unit, contiguous_chunk_units(chunk_rounds));
+}
+
+// CTAs of the partial statistics (kernel 1) at chunk_rounds rounds per chunk.
+int64_t partials_ctas(const ForwardProblem& p, int stats_unit, int chunk_rounds) {
+  const int64_t chunks = chunks_per_slice(p, stats_unit, chunk_rounds);
+  if (p.layout == Layout::kContiguous) return p.num_slices() * chunks;
+  return p.batch * chunks * ChannelsLastTiling::of(p.num_channels, stats_unit, chunk_rounds).channel_tiles;
+}
+
+// Rounds per chunk: kMaxChunkRounds, halved (down to 1) while the partials would
+// give the GPU fewer than kMinCtasPerSm CTAs per SM: a small tensor then still keeps
+// every SM's loads in flight (kernels/tuning.h).
+int split_chunk_rounds(const ForwardProblem& p, int stats_unit) {
+  const int64_t wanted = int64_t{kMinCtasPerSm} * current_sm_count();
+  int rounds = kMaxChunkRounds;
+  while (rounds > 1 && partials_ctas(p, stats_unit, rounds) < wanted) rounds /= 2;
+  return rounds;
 }
 
 // One unit's bits as loaded: a 16-byte vector (V > 1) or one value. A round keeps its
@@ -137,56 +164,57 @@ __device__ __forceinline__ int rows_in_round(int64_t left, int row_groups) {
   return count;
 }
 
-// Statistics of a round's first `count` units, per slice: value i of each unit
-// belongs to slice i % SLICES (SLICES = V: channels-last, a unit spans V channels;
-// SLICES = 1: contiguous), all shifted by shift[i % SLICES]. The mean of d, then the
-// M2 about it: two passes, each unpacking the units anew.
-template <typename T, int V, int SLICES>
-__device__ __forceinline__ void round_stats(const UnitBits<T, V> (&bits)[kLoads], int count,
-                                            const SliceShift (&shift)[SLICES], SliceStats (&out)[SLICES]) {
-  float sum[SLICES] = {};
+// f(j, d) for each value of a round's first `count` units: value i of each unit
+// belongs to slice j = i % SLICES (SLICES = V: channels-last, a unit spans V
+// channels; SLICES = 1: contiguous), and d is it shifted by shift[j]. Each call
+// unpacks the units anew, so a round holds only its packed bits between passes.
+template <typename T, int V, int SLICES, typename F>
+__device__ __forceinline__ void for_each_shifted(const UnitBits<T, V> (&bits)[kLoads], int count,
+                                                 const SliceShift (&shift)[SLICES], F f) {
 #pragma unroll
   for (int k = 0; k < kLoads; ++k) {
     if (k < count) {
       float v[V];
       unpack_unit<T, V>(bits[k], v);
 #pragma unroll
-      for (int i = 0; i < V; ++i) sum[i % SLICES] += shift[i % SLICES].apply(v[i]);
-    }
-  }
-  const float per_slice = static_cast<float>(count * (V / SLICES));
-#pragma unroll
-  for (int j = 0; j < SLICES; ++j) out[j] = {per_slice, count > 0 ? sum[j] / per_slice : 0.f, 0.f};
-#pragma unroll
-  for (int k = 0; k < kLoads; ++k) {
-    if (k < count) {
-      float v[V];
-      unpack_unit<T, V>(bits[k], v);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float deviation = shift[i % SLICES].apply(v[i]) - out[i % SLICES].mean;
-        out[i % SLICES].m2 += deviation * deviation;
-      }
+      for (int i = 0; i < V; ++i) f(i % SLICES, shift[i % SLICES].apply(v[i]));
     }
   }
 }
 
+// Statistics of a round's first `count` units, per slice (for_each_shifted): the mean
+// of d, then the M2 about it, in two passes.
+template <typename T, int V, int SLICES>
+__device__ __forceinline__ void round_stats(const UnitBits<T, V> (&bits)[kLoads], int count,
+                                            const SliceShift (&shift)[SLICES], SliceStats (&out)[SLICES]) {
+  float sum[SLICES] = {};
+  for_each_shifted<T, V, SLICES>(bits, count, shift, [&](int j, float d) { sum[j] += d; });
+  const float per_slice = static_cast<float>(count * (V / SLICES));
+#pragma unroll
+  for (int j = 0; j < SLICES; ++j) out[j] = {per_slice, count > 0 ? sum[j] / per_slice : 0.f, 0.f};
+  for_each_shifted<T, V, SLICES>(bits, count, shift, [&](int j, float d) {
+    const float deviation = d - out[j].mean;
+    out[j].m2 += deviation * deviation;
+  });
+}
+
 // Kernel 1, contiguous: partials[slice * chunks + chunk] for chunks of
-// kContiguousChunkUnits units; per round thread t reads units t + k * kThreads of
+// contiguous_chunk_units(chunk_rounds) units; per round thread t reads units t + k * kThreads of
 // the round's kThreads * kLoads (coalesced), merges their statistics into its own,
 // and the CTA reduces once per chunk.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    partial_stats_contiguous_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
+    partial_stats_contiguous_kernel(const ForwardProblem p, int64_t chunks, int chunk_rounds, SliceStats* partials) {
   constexpr int64_t kRoundUnits = int64_t{kThreads} * kLoads;
+  const int64_t chunk_units = contiguous_chunk_units(chunk_rounds);
   __shared__ typename BlockStatsReduce<kThreads>::TempStorage storage;
   const T* x = static_cast<const T*>(p.x);
   const int64_t slice_units = p.spatial / V;
   const int64_t num_tiles = p.num_slices() * chunks;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t slice = tile / chunks;
-    const int64_t begin = (tile - slice * chunks) * kContiguousChunkUnits;
-    const int64_t end = min(begin + kContiguousChunkUnits, slice_units);
+    const int64_t begin = (tile - slice * chunks) * chunk_units;
+    const int64_t end = min(begin + chunk_units, slice_units);
     const T* slice_x = x + slice * p.spatial;
     const SliceShift shift[1] = {SliceShift::of(Storage<T>::to_float(__ldg(slice_x)))};
     SliceStats stats{0.f, 0.f, 0.f};
@@ -229,10 +257,10 @@ struct ChannelsLastTile {
 // a fixed tree into partials[(n * C + channel) * chunks + chunk].
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    partial_stats_channels_last_kernel(const ForwardProblem p, int64_t chunks, SliceStats* partials) {
+    partial_stats_channels_last_kernel(const ForwardProblem p, int64_t chunks, int chunk_rounds, SliceStats* partials) {
   __shared__ SliceStats group_stats[kThreads][V];
   const T* x = static_cast<const T*>(p.x);
-  const ChannelsLastTiling tiling = ChannelsLastTiling::of(p.num_channels, V);
+  const ChannelsLastTiling tiling = ChannelsLastTiling::of(p.num_channels, V, chunk_rounds);
   const int group = static_cast<int>(threadIdx.x) / tiling.tile_units;
   const int64_t num_tiles = p.batch * chunks * tiling.channel_tiles;
   const int64_t round_rows = int64_t{kLoads} * tiling.row_groups;
@@ -372,9 +400,10 @@ __global__ void __launch_bounds__(kThreads)
 // kLoads loads in flight.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    normalize_channels_last_kernel(const ForwardProblem p, const float4* slice_stats, int64_t chunks) {
+    normalize_channels_last_kernel(const ForwardProblem p, const float4* slice_stats, int64_t chunks,
+                                   int chunk_rounds) {
   const T* x = static_cast<const T*>(p.x);
-  const ChannelsLastTiling tiling = ChannelsLastTiling::of(p.num_channels, V);
+  const ChannelsLastTiling tiling = ChannelsLastTiling::of(p.num_channels, V, chunk_rounds);
   const int group = static_cast<int>(threadIdx.x) / tiling.tile_units;
   const int64_t num_tiles = p.batch * chunks * tiling.channel_tiles;
   const int64_t round_rows = int64_t{kLoads} * tiling.row_groups;
@@ -420,7 +449,8 @@ ForwardPlan split_plan(const ForwardProblem& p) {
   const bool contiguous = p.layout == Layout::kContiguous;
   split.stats_unit = unit_values(p, p.x);
   split.sweep_unit = unit_values(p, p.x, p.y);
-  split.chunks = chunks_per_slice(p, split.stats_unit);
+  split.chunk_rounds = split_chunk_rounds(p, split.stats_unit);
+  split.chunks = chunks_per_slice(p, split.stats_unit, split.chunk_rounds);
   const int64_t partials = p.running_mean != nullptr ? 0 : p.num_slices() * split.chunks;
   split.partials_bytes = static_cast<size_t>(round_up(partials * static_cast<int64_t>(sizeof(SliceStats)), 16));
   plan.workspace_bytes = split.partials_bytes + static_cast<size_t>(p.num_slices()) * sizeof(float4);
@@ -429,8 +459,8 @@ ForwardPlan split_plan(const ForwardProblem& p) {
     split.stats_grid = grid_for(partials, 1);
     split.sweep_grid = grid_for(p.num_slices() * p.spatial / split.sweep_unit, kSweepTile);
   } else {
-    const ChannelsLastTiling stats = ChannelsLastTiling::of(p.num_channels, split.stats_unit);
-    const ChannelsLastTiling sweep = ChannelsLastTiling::of(p.num_channels, split.sweep_unit);
+    const ChannelsLastTiling stats = ChannelsLastTiling::of(p.num_channels, split.stats_unit, split.chunk_rounds);
+    const ChannelsLastTiling sweep = ChannelsLastTiling::of(p.num_channels, split.sweep_unit, split.chunk_rounds);
     split.stats_grid = grid_for(p.batch * split.chunks * stats.channel_tiles, 1);
     split.sweep_chunks = sweep.chunks(p.spatial);
     split.sweep_grid = grid_for(p.batch * split.sweep_chunks * sweep.channel_tiles, 1);
@@ -447,10 +477,10 @@ void launch_partial_stats(const ForwardProblem& p, const SplitPlan& plan, SliceS
   const bool vector = plan.stats_unit == kVector;
   if (p.layout == Layout::kContiguous) {
     auto kernel = vector ? partial_stats_contiguous_kernel<T, kVector> : partial_stats_contiguous_kernel<T, 1>;
-    kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
+    kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunk_rounds, partials);
   } else {
     auto kernel = vector ? partial_stats_channels_last_kernel<T, kVector> : partial_stats_channels_last_kernel<T, 1>;
-    kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, partials);
+    kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunk_rounds, partials);
   }
 }
 
@@ -466,7 +496,7 @@ void launch_normalize(const ForwardProblem& p, const SplitPlan& plan, const floa
     kernel<<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, columns);
   } else {
     auto kernel = vector ? normalize_channels_last_kernel<T, kVector> : normalize_channels_last_kernel<T, 1>;
-    kernel<<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, plan.sweep_chunks);
+    kernel<<<plan.sweep_grid, kThreads, 0, stream>>>(p, slice_stats, plan.sweep_chunks, plan.chunk_rounds);
   }
 }
 

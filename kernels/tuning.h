@@ -30,8 +30,24 @@ constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
 // slices: its first three rounds only read and its last three only write; it led the
 // cooperative path from 3 rounds on and lost at 2 (docs/perf-notes.md #75, #80, #81).
 constexpr int64_t kPipelinedMinRounds = 3;
+// fp32 slices that only one cooperative team holds take the split path from this
+// many slices on (2048 x 2048 slices: at 16 and 64 slices the split path led, at 8 the
+// team; docs/perf-notes.md #114, #120). Between 8 and 16 not measured.
+constexpr int64_t kSplitOverOneTeamMinRounds = 16;
 
 }  // namespace forward_detail
+
+// instance_norm_split.cu: how the split path cuts a problem into chunks.
+namespace split_detail {
+
+// Chunks get fewer rounds of loads (4, 2, 1) while the partial statistics would
+// otherwise run fewer than this many CTAs per SM: at 4 rounds a (1, 64, 100, 100)
+// bf16 channels-last tensor ran its partials in 10 CTAs, slower than eager
+// (docs/perf-notes.md #119). Eight 256-thread CTAs fill an SM's 64 warps. An
+// estimate, not measured one by one.
+constexpr int kMinCtasPerSm = 8;
+
+}  // namespace split_detail
 
 // instance_norm_backward.cu: the block path's limits, where the chooser takes the
 // resident paths, and how the generic path cuts a problem.

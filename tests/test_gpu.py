@@ -224,6 +224,38 @@ def test_misaligned_channels_last_view_takes_the_split_path(solution):
         assert solution._EXT.chosen_path(x) == SPLIT
 
 
+@pytest.mark.parametrize("rounds", [4, 2, 1])
+def test_split_path_at_every_chunk_size(solution, rounds):
+    """The split path's chunks of 4, 2 and 1 rounds of loads (split_chunk_rounds in
+    kernels/instance_norm_split.cu: fewer rounds while the partial statistics would run
+    fewer than 8 CTAs per SM). fp32 slices of 512 x 512 are 65,536 16-byte vectors: 8,
+    16 or 32 chunks each, so on this GPU's SM count these channel counts give each
+    chunk size; the slices' chunks are combined and normalized as on one chunk."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    channels = {4: sms, 2: 3 * sms // 4, 1: sms // 4}[rounds]
+    torch.manual_seed(rounds)
+    x = torch.randn(1, channels, 512, 512, device="cuda") * 2 + 3
+    reference = float64_reference(x)
+    out = run_poisoned(lambda: solution._EXT.forward(x, path=SPLIT), x)
+    error = (out.double() - reference).abs().max().item()
+    assert error <= TOLERANCE[x.dtype], f"{channels} channels: max abs error {error:.3g} against float64"
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 100, 100), (128, 64, 100, 100)], ids=shape_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_path_channels_last_small_and_large(solution, shape, dtype):
+    """Channels-last input on the split path: a small tensor, whose partials take
+    one-round chunks so they still spread over the SMs, and a large one of 4-round
+    chunks; both match float64 and keep their layout."""
+    torch.manual_seed(11)
+    x = channels_last(torch.randn(shape, device="cuda") * 2 - 1).to(dtype)
+    reference = float64_reference(x)
+    out = run_poisoned(lambda: solution._EXT.forward(x, path=SPLIT), x)
+    assert out.stride() == x.stride()
+    error = (out.double() - reference).abs().max().item()
+    assert error <= TOLERANCE[x.dtype], f"{dtype}: max abs error {error:.3g} against float64"
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 512, 512), (2, 3, 37, 37), (2, 3, 6, 6), (1, 2, 1024, 1024), (2, 16, 37, 37)],
                          ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -450,6 +482,9 @@ def test_automatic_path_per_size_on_hopper(solution):
     assert chosen(2, 8, 1024, 1024) == PIPELINED  # two teams of 64, 8 rounds; cooperative: 4 of 32
     assert chosen(1, 32, 768, 1024) == COOPERATIVE  # pipelined: 2 teams of 48 CTAs busy, cooperative: 5 of 24
     assert chosen(1, 2, 4096, 4096) == SPLIT  # 512 CTAs: more than are resident
+    assert chosen(1, 8, 2048, 2048) == COOPERATIVE  # one team of 128 CTAs, 8 rounds: the team leads
+    assert chosen(1, 16, 2048, 2048) == SPLIT  # one team, 16 rounds: kSplitOverOneTeamMinRounds or more
+    assert chosen(1, 16, 2048, 2048, dtype=torch.bfloat16) == COOPERATIVE  # 16-bit keeps its teams
     assert chosen(1, 2, 1031, 1031) == SPLIT  # not a multiple of the vector
     assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == BLOCK  # 98 KB tiles
     assert chosen(1, 32, 16, 16, 16, memory_format=torch.channels_last_3d) == BLOCK  # 128 KB tiles
