@@ -182,20 +182,57 @@ __device__ __forceinline__ void for_each_shifted(const UnitBits<T, V> (&bits)[kL
   }
 }
 
+// Statistics of SLICES slices over the same positions, so with one count: a thread's
+// statistics of its unit's channels (contiguous: of its one slice). merge() is
+// combine() (Chan et al.) for all slices at once, with one division for them all.
+template <int SLICES>
+struct SharedCountStats {
+  float count;
+  float mean[SLICES];
+  float m2[SLICES];
+
+  __device__ __forceinline__ static SharedCountStats empty() {
+    SharedCountStats s;
+    s.count = 0.f;
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) s.mean[j] = s.m2[j] = 0.f;
+    return s;
+  }
+
+  // Merges the statistics of other positions; from empty() it takes b's exactly.
+  __device__ __forceinline__ void merge(const SharedCountStats& b) {
+    const float total = count + b.count;
+    const float b_weight = total > 0.f ? b.count / total : 0.f;  // nb / n
+    const float cross = count * b_weight;                           // na * nb / n
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) {
+      const float delta = b.mean[j] - mean[j];
+      mean[j] = __fmaf_rn(delta, b_weight, mean[j]);
+      m2[j] = (m2[j] + b.m2[j]) + __fmul_rn(delta, delta) * cross;
+    }
+    count = total;
+  }
+
+  __device__ __forceinline__ SliceStats of(int j) const { return {count, mean[j], m2[j]}; }
+};
+
 // Statistics of a round's first `count` units, per slice (for_each_shifted): the mean
 // of d, then the M2 about it, in two passes.
 template <typename T, int V, int SLICES>
-__device__ __forceinline__ void round_stats(const UnitBits<T, V> (&bits)[kLoads], int count,
-                                            const SliceShift (&shift)[SLICES], SliceStats (&out)[SLICES]) {
+__device__ __forceinline__ SharedCountStats<SLICES> round_stats(const UnitBits<T, V> (&bits)[kLoads], int count,
+                                                                const SliceShift (&shift)[SLICES]) {
   float sum[SLICES] = {};
   for_each_shifted<T, V, SLICES>(bits, count, shift, [&](int j, float d) { sum[j] += d; });
-  const float per_slice = static_cast<float>(count * (V / SLICES));
+  SharedCountStats<SLICES> out = SharedCountStats<SLICES>::empty();
+  out.count = static_cast<float>(count * (V / SLICES));
+  const float inverse = count > 0 ? 1.f / out.count : 0.f;
 #pragma unroll
-  for (int j = 0; j < SLICES; ++j) out[j] = {per_slice, count > 0 ? sum[j] / per_slice : 0.f, 0.f};
+  for (int j = 0; j < SLICES; ++j) out.mean[j] = sum[j] * inverse;
   for_each_shifted<T, V, SLICES>(bits, count, shift, [&](int j, float d) {
-    const float deviation = d - out[j].mean;
-    out[j].m2 += deviation * deviation;
+    const float deviation = d - out.mean[j];
+    out.m2[j] += deviation * deviation;
   });
+  return out;
 }
 
 // Kernel 1, contiguous: partials[slice * chunks + chunk] for chunks of
@@ -217,17 +254,15 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t end = min(begin + chunk_units, slice_units);
     const T* slice_x = x + slice * p.spatial;
     const SliceShift shift[1] = {SliceShift::of(Storage<T>::to_float(__ldg(slice_x)))};
-    SliceStats stats{0.f, 0.f, 0.f};
+    SharedCountStats<1> stats = SharedCountStats<1>::empty();
     for (int64_t round = begin; round < end; round += kRoundUnits) {
       const int64_t first = round + threadIdx.x;
       const int count = static_cast<int>(min(int64_t{kLoads}, max(int64_t{0}, (end - first + kThreads - 1) / kThreads)));
       UnitBits<T, V> bits[kLoads];
       load_round<T, V>(slice_x, first * V, int64_t{kThreads} * V, count, bits);
-      SliceStats round_total[1];
-      round_stats<T, V, 1>(bits, count, shift, round_total);
-      stats = combine(stats, round_total[0]);
+      stats.merge(round_stats<T, V, 1>(bits, count, shift));
     }
-    const SliceStats total = BlockStatsReduce<kThreads>::allreduce(stats, storage);
+    const SliceStats total = BlockStatsReduce<kThreads>::allreduce(stats.of(0), storage);
     if (threadIdx.x == 0) partials[tile] = total;
   }
 }
@@ -256,7 +291,7 @@ struct ChannelsLastTile {
 // V channels; the row groups' statistics are then combined through shared memory by
 // a fixed tree into partials[(n * C + channel) * chunks + chunk].
 template <typename T, int V>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == sizeof(float) ? kChannelsLastPartialsFp32CtasPerSm : 1)
     partial_stats_channels_last_kernel(const ForwardProblem p, int64_t chunks, int chunk_rounds, SliceStats* partials) {
   __shared__ SliceStats group_stats[kThreads][V];
   const T* x = static_cast<const T*>(p.x);
@@ -269,9 +304,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t row_begin = tile.chunk * tiling.chunk_rows;
     const int64_t row_end = min(row_begin + tiling.chunk_rows, p.spatial);
     const T* column = x + tile.n * p.spatial * p.num_channels + int64_t{tile.unit} * V;  // row 0, this unit
-    SliceStats stats[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i) stats[i] = SliceStats{0.f, 0.f, 0.f};
+    SharedCountStats<V> stats = SharedCountStats<V>::empty();
     if (tile.active) {
       float first[V];
       unpack_unit<T, V>(load_unit<T, V>(column, 0), first);
@@ -282,14 +315,11 @@ __global__ void __launch_bounds__(kThreads)
         const int count = rows_in_round(row_end - round, tiling.row_groups);
         UnitBits<T, V> bits[kLoads];
         load_round<T, V>(column, round * p.num_channels, tiling.row_groups * p.num_channels, count, bits);
-        SliceStats round_total[V];
-        round_stats<T, V, V>(bits, count, shift, round_total);
-#pragma unroll
-        for (int i = 0; i < V; ++i) stats[i] = combine(stats[i], round_total[i]);
+        stats.merge(round_stats<T, V, V>(bits, count, shift));
       }
     }
 #pragma unroll
-    for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = stats[i];
+    for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = stats.of(i);
     __syncthreads();
     // Row group g takes in g + step for step = 1, 2, 4, ...: a fixed order.
     for (int step = 1; step < tiling.row_groups; step *= 2) {

@@ -46,6 +46,10 @@ namespace split_detail {
 // (docs/perf-notes.md #119). Eight 256-thread CTAs fill an SM's 64 warps. An
 // estimate, not measured one by one.
 constexpr int kMinCtasPerSm = 8;
+// The fp32 channels-last partial statistics run three CTAs per SM (launch bounds:
+// 80 registers, against 98 for two): more loads in flight; in 16-bit three spilled
+// and lost (docs/perf-notes.md #122).
+constexpr int kChannelsLastPartialsFp32CtasPerSm = 3;
 
 }  // namespace split_detail
 
