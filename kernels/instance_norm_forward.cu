@@ -210,47 +210,57 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
 // docs/perf-notes.md #91).
 // Needs num_channels a multiple of the vector (4 fp32 or 8 fp16/bf16 values) and
 // 16-byte aligned x and y.
+// The channels-last block kernel's column reduction: thread t works on column
+// t % V (every V-th lane of each warp); allreduce gives each thread the CTA's totals
+// of its column's PER values. A shuffle butterfly within each warp, then one warp
+// total per column through shared memory. Two barriers per call; the second also
+// keeps the next call from rewriting warp_totals before every warp has read it.
+template <int THREADS, int V, int PER>
+struct ColumnTotals {
+  static constexpr int kWarps = THREADS / kWarpSize;
+
+  __device__ __forceinline__ static void allreduce(float (&values)[PER]) {
+    __shared__ float warp_totals[kWarps][V * PER];
+    __shared__ float channel_totals[V * PER];
+    const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+    const int warp = static_cast<int>(threadIdx.x / kWarpSize);
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset >= V; offset /= 2) {
+#pragma unroll
+      for (int k = 0; k < PER; ++k) values[k] += __shfl_xor_sync(0xffffffffu, values[k], offset);
+    }
+    if (lane < V) {
+#pragma unroll
+      for (int k = 0; k < PER; ++k) warp_totals[warp][lane * PER + k] = values[k];
+    }
+    __syncthreads();
+    if (threadIdx.x < V * PER) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += warp_totals[w][threadIdx.x];
+      channel_totals[threadIdx.x] = total;
+    }
+    __syncthreads();
+    const int column = static_cast<int>(threadIdx.x % V);
+#pragma unroll
+    for (int k = 0; k < PER; ++k) values[k] = channel_totals[column * PER + k];
+  }
+};
+
 template <typename T, int THREADS, int V>
 __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channels_last_kernel(const ForwardProblem p) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
-  constexpr int kWarps = THREADS / kWarpSize;
   constexpr int kRowStride = THREADS / V;  // positions a column advances per step
   static_assert(kWarpSize % V == 0, "a column's lanes are every V-th lane of a warp");
-  __shared__ float warp_totals[kWarps][V * kPer];
-  __shared__ float channel_totals[V * kPer];
   extern __shared__ uint4 tile[];  // [spatial][V]
   const int spatial = static_cast<int>(p.spatial);
   const int64_t pixel_vectors = p.num_channels / kPer;  // 16-byte vectors per position
   const int64_t tiles_per_image = (pixel_vectors + V - 1) / V;
   const int64_t num_tiles = p.batch * tiles_per_image;
   const int column = static_cast<int>(threadIdx.x % V);
-  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
-  const int warp = static_cast<int>(threadIdx.x / kWarpSize);
   const unsigned tile_base = static_cast<unsigned>(__cvta_generic_to_shared(tile));
-  // Every thread of the CTA calls this with its column's kPer partial sums; each gets
-  // back the CTA's totals of its column's channels.
-  const auto column_allreduce = [&](float (&values)[kPer]) {
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset >= V; offset /= 2) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) values[k] += __shfl_xor_sync(0xffffffffu, values[k], offset);
-    }
-    if (lane < V) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) warp_totals[warp][lane * kPer + k] = values[k];
-    }
-    __syncthreads();
-    if (threadIdx.x < V * kPer) {
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) total += warp_totals[w][threadIdx.x];
-      channel_totals[threadIdx.x] = total;
-    }
-    __syncthreads();  // also: every warp has read warp_totals before the next call rewrites it
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) values[k] = channel_totals[column * kPer + k];
-  };
+  using Totals = ColumnTotals<THREADS, V, kPer>;
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const int64_t n = t / tiles_per_image;
     const int64_t first_vector = (t - n * tiles_per_image) * V;  // of each position's vectors
@@ -290,8 +300,8 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
         m2[k] = __fmaf_rn(d, d, m2[k]);
       }
     });
-    column_allreduce(mean);
-    column_allreduce(m2);
+    Totals::allreduce(mean);
+    Totals::allreduce(m2);
     // A count of the channels that fail the test, not a bool: with a bool flag, ptxas
     // (nvcc 13.0) spilled 8 bytes in 16-bit kernels on sm_80 (64 registers).
     const float count = static_cast<float>(spatial);
@@ -312,7 +322,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
           m2[k] += deviation * deviation;
         }
       });
-      column_allreduce(m2);
+      Totals::allreduce(m2);
     }
     // y = d * scale_d + offset per channel, as on the contiguous block path, computed as
     // (x - shift) * (k * scale_d) + offset: the same rounding (d = k * (x - shift)

@@ -127,8 +127,10 @@ __device__ __forceinline__ void unpack_unit(const UnitBits<T, V>& bits, float (&
   }
 }
 
+// One unit's V values to y at `offset` (load_unit's counterpart): a streaming 16-byte
+// store, or one value.
 template <typename T, int V>
-__device__ __forceinline__ void store_values(T* y, int64_t offset, const float (&in)[V]) {
+__device__ __forceinline__ void store_unit(T* y, int64_t offset, const float (&in)[V]) {
   if constexpr (V == 1) {
     y[offset] = Storage<T>::from_float(in[0]);
   } else {
@@ -385,7 +387,7 @@ __device__ __forceinline__ void normalize_store(const ForwardProblem& p, int64_t
   for (int i = 0; i < V; ++i) v[i] = ((v[i] - s[i].x) - s[i].y) * s[i].z + s[i].w;
   T* y = static_cast<T*>(p.y);
   apply_epilogue(p.epilogue, p.y, y + offset, v);
-  store_values<T, V>(y, offset, v);
+  store_unit<T, V>(y, offset, v);
 }
 
 // Kernel 3, contiguous: y = ((x - shift) - mean) * scale + bias with the float4 of
