@@ -1,7 +1,8 @@
 // PyTorch face of the kernels in instance_norm.h, in four layers, each with one job:
 //
-//   1. instance_norm(...): the front that Python calls (directly in eager mode, as
-//      the op instance_norm_cuda::instance_norm under torch.compile). It holds the
+//   1. instance_norm(...): the front that Python calls (directly in eager mode, a
+//      METH_FASTCALL function; as the op instance_norm_cuda::instance_norm under
+//      torch.compile). It holds the
 //      one validation of user arguments, sends CPU and float64 inputs to PyTorch's
 //      own op, and otherwise calls the ops below through the dispatcher.
 //   2. Autograd kernels (DispatchKey Autograd): the forward op's backward node, and
@@ -13,11 +14,14 @@
 //      the path chooser, for tests/, bench.py and check.py.
 //
 // Fake (meta) kernels of the ops, for torch.compile, are registered from solution.py.
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -71,24 +75,36 @@ std::vector<int64_t> channels_last_order(int64_t dim) {
   return order;
 }
 
+// Whether `t` is dense in the channels-last order (0, 2, ..., dim - 1, 1): its
+// permute by that order is contiguous. 4d and 5d tensors answer from the flags
+// TensorImpl keeps (torch.channels_last, channels_last_3d); a permuted view costs a
+// dispatcher call, so only the other ranks take one.
+bool is_channels_last(const at::Tensor& t) {
+  switch (t.dim()) {
+    case 4: return t.is_contiguous(at::MemoryFormat::ChannelsLast);
+    case 5: return t.is_contiguous(at::MemoryFormat::ChannelsLast3d);
+    default: return t.permute(channels_last_order(t.dim())).is_contiguous();
+  }
+}
+
 // The one rule for the layouts the kernels read in place: contiguous, else
 // channels-last. Contiguous wins where both hold (C == 1 or spatial == 1).
 std::optional<instance_norm::Layout> native_layout(const at::Tensor& input) {
   if (input.is_contiguous()) return instance_norm::Layout::kContiguous;
-  if (input.permute(channels_last_order(input.dim())).is_contiguous()) return instance_norm::Layout::kChannelsLast;
+  if (is_channels_last(input)) return instance_norm::Layout::kChannelsLast;
   return std::nullopt;
 }
 
 // `input` itself in a native layout, else a contiguous copy. Outputs take this
-// tensor's layout (empty_like).
+// tensor's layout (dense_like).
 at::Tensor readable(const at::Tensor& input) { return native_layout(input) ? input : input.contiguous(); }
 
 // `t` (same shape as `like`) with like's native layout, copying only if needed.
 at::Tensor like_layout(const at::Tensor& t, const at::Tensor& like) {
   if (like.is_contiguous()) return t.contiguous();
+  if (is_channels_last(t)) return t;
   const std::vector<int64_t> order = channels_last_order(like.dim());
   const at::Tensor permuted = t.permute(order);
-  if (permuted.is_contiguous()) return t;
   std::vector<int64_t> inverse(order.size());
   for (size_t i = 0; i < order.size(); ++i) inverse[order[i]] = static_cast<int64_t>(i);
   return permuted.contiguous().permute(inverse);
@@ -291,16 +307,50 @@ at::Tensor instance_norm_op(const at::Tensor& input, const std::optional<at::Ten
                negative_slope, residual, false);
 }
 
-// What eager Python calls (pybind11): one call for the whole layer.
-at::Tensor instance_norm_eager(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
-                               const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum,
-                               double eps, const std::optional<std::string>& activation, double negative_slope,
-                               const std::optional<at::Tensor>& residual) {
-  const std::optional<c10::string_view> name =
-      activation ? std::optional<c10::string_view>(*activation) : std::nullopt;
-  return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, name, negative_slope,
-               residual, true);
+// What eager Python calls: instance_norm(input, running_mean, running_var, weight,
+// bias, use_input_stats, momentum, eps, activation, negative_slope, residual), all
+// eleven positional, one call for the whole layer. A METH_FASTCALL function, as
+// PyTorch binds its own ops, not a pybind11 one: pybind11 took about four times as
+// long for these eleven arguments as for a call without any (docs/perf-notes.md
+// #124). Errors reach Python as they did through pybind11 (HANDLE_TH_ERRORS: c10's
+// TypeError and ValueError as Python's, other c10 errors as RuntimeError; TORCH_WARN
+// as a Python warning).
+std::optional<at::Tensor> optional_tensor(PyObject* value, const char* name) {
+  if (value == Py_None) return std::nullopt;
+  TORCH_CHECK_TYPE(THPVariable_Check(value), "instance_norm: ", name, " must be a torch.Tensor or None, got ",
+                   Py_TYPE(value)->tp_name);
+  return THPVariable_Unpack(value);
+}
+
+double float_argument(PyObject* value) {
+  const double number = PyFloat_AsDouble(value);
+  if (number == -1.0 && PyErr_Occurred()) throw python_error();
+  return number;
+}
+
+PyObject* instance_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 11, "instance_norm: the extension's front takes 11 positional arguments, got ",
+                   text(static_cast<int64_t>(nargs)));
+  TORCH_CHECK_TYPE(THPVariable_Check(args[0]), "instance_norm: input must be a torch.Tensor, got ",
+                   Py_TYPE(args[0])->tp_name);
+  const int use_input_stats = PyObject_IsTrue(args[5]);
+  if (use_input_stats < 0) throw python_error();
+  std::optional<c10::string_view> activation;
+  if (args[8] != Py_None) {
+    TORCH_CHECK_TYPE(PyUnicode_Check(args[8]), "instance_norm: activation must be None or a str, got ",
+                     Py_TYPE(args[8])->tp_name);
+    Py_ssize_t size = 0;
+    const char* name = PyUnicode_AsUTF8AndSize(args[8], &size);
+    if (name == nullptr) throw python_error();
+    activation = c10::string_view(name, static_cast<size_t>(size));
+  }
+  return THPVariable_Wrap(front(THPVariable_Unpack(args[0]), optional_tensor(args[1], "running_mean"),
+                                optional_tensor(args[2], "running_var"), optional_tensor(args[3], "weight"),
+                                optional_tensor(args[4], "bias"), use_input_stats != 0, float_argument(args[6]),
+                                float_argument(args[7]), activation, float_argument(args[9]),
+                                optional_tensor(args[10], "residual"), true));
+  END_HANDLE_TH_ERRORS
 }
 
 // ---------------------------------------------------------------------------
@@ -630,6 +680,9 @@ std::optional<at::Tensor> channel_float32(const std::optional<at::Tensor>& value
               value->device());
   TORCH_CHECK(value->numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
               text(value->numel()));
+  // A float32 contiguous tensor as it is: to() and contiguous() would return it too,
+  // through a dispatcher call.
+  if (value->scalar_type() == at::kFloat && value->is_contiguous()) return *value;
   return value->to(at::kFloat).contiguous();
 }
 
@@ -661,9 +714,22 @@ instance_norm::ForwardPath checked_path(int64_t path) {
   return static_cast<instance_norm::ForwardPath>(path);
 }
 
-at::Tensor float_buffer(int64_t size, const at::Tensor& like) {
-  return at::empty({size}, like.options().dtype(at::kFloat));
+// New tensors of the kernels' outputs and buffers, straight from the CUDA caching
+// allocator (at::detail::empty_*_cuda, what PyTorch's CUDA empty kernels call): the
+// dispatcher's route (at::empty_like, then empty_strided; at::empty) costs host time
+// on every call. CUDA graph capture and memory pools see them as any allocation.
+// dense_like(x): x's sizes, strides, dtype and device, what at::empty_like gives for
+// a dense tensor (contiguous or channels-last, as every kernel input is).
+at::Tensor dense_like(const at::Tensor& x) {
+  return at::detail::empty_strided_cuda(x.sizes(), x.strides(), x.scalar_type(), x.device());
 }
+
+// A new contiguous tensor of `sizes` and `dtype` on `like`'s device.
+at::Tensor new_buffer(at::IntArrayRef sizes, at::ScalarType dtype, const at::Tensor& like) {
+  return at::detail::empty_cuda(sizes, dtype, like.device(), std::nullopt);
+}
+
+at::Tensor float_buffer(int64_t size, const at::Tensor& like) { return new_buffer({size}, at::kFloat, like); }
 
 // The current stream of `device`, on which every launch goes (CUDA-graph capture
 // included). The device is named, not defaulted: some KernelBench static checkers
@@ -674,8 +740,7 @@ cudaStream_t current_stream(const at::Device& device) {
 
 // A plan's workspace: workspace_bytes of device memory on x's device, or none.
 at::Tensor workspace_for(size_t workspace_bytes, const at::Tensor& x) {
-  return workspace_bytes > 0 ? at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte))
-                             : at::Tensor();
+  return workspace_bytes > 0 ? new_buffer({static_cast<int64_t>(workspace_bytes)}, at::kByte, x) : at::Tensor();
 }
 
 // Runs `problem` (x set) into `output` on `path` (kAuto: the chosen one): plans
@@ -731,7 +796,7 @@ struct ForwardCall {
   ForwardCall(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
               double eps, const EpilogueArgs& epilogue)
       : layout(check_kernel_input(x)),
-        output(at::empty_like(x)),
+        output(dense_like(x)),
         weight_f32(channel_float32(weight, "weight", x)),
         bias_f32(channel_float32(bias, "bias", x)),
         problem(make_problem(x, layout, weight_f32, bias_f32, eps)) {
@@ -754,7 +819,7 @@ TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& we
   ForwardCall call(x, weight, bias, eps, epilogue);
   at::Tensor stats;
   if (save_stats) {
-    stats = at::empty({2, call.problem.num_slices()}, x.options().dtype(at::kFloat));
+    stats = new_buffer({2, call.problem.num_slices()}, at::kFloat, x);
     call.problem.mean = stats.data_ptr<float>();
     call.problem.rstd = call.problem.mean + call.problem.num_slices();
   }
@@ -857,9 +922,9 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   const instance_norm::Layout layout = check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const auto [mean, rstd] = stats_rows(stats, input);
-  at::Tensor grad_input = at::empty_like(input);
+  at::Tensor grad_input = dense_like(input);
   const bool activation = epilogue.activation != 0;
-  const at::Tensor grad_residual = activation && epilogue.residual ? at::empty_like(input) : float_buffer(0, input);
+  const at::Tensor grad_residual = activation && epilogue.residual ? dense_like(input) : float_buffer(0, input);
   const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
   const std::optional<at::Tensor> bias_f32 = activation ? channel_float32(bias, "bias", input) : std::nullopt;
   instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, weight_f32);
@@ -879,15 +944,17 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   // address the output through its storage), then the two per-slice sums.
   const int64_t num_slices = input.size(0) * input.size(1);
   const int64_t channels = channel_sums ? input.size(1) : 0;
-  const at::Tensor buffer = float_buffer(2 * channels + 2 * num_slices, input);
-  problem.sum_dy = buffer.data_ptr<float>() + 2 * channels;
+  const at::Tensor grad_parameters = float_buffer(2 * channels + 2 * num_slices, input);
+  float* const grad_weight = grad_parameters.data_ptr<float>();
+  problem.sum_dy = grad_weight + 2 * channels;
   problem.sum_dy_xhat = problem.sum_dy + num_slices;
+  // The buffer, still ours alone, becomes the (2, C) tensor over its first values in
+  // place (a view would cost a dispatcher call); the sums stay in its storage.
+  grad_parameters.unsafeGetTensorImpl()->set_sizes_contiguous({2, channels});
   problem.workspace = workspace.defined() ? workspace.data_ptr() : nullptr;
   const cudaStream_t stream = current_stream(input.device());
   C10_CUDA_CHECK(instance_norm::backward(problem, plan, stream));
-  const at::Tensor grad_parameters = buffer.as_strided({2, channels}, {channels, 1}, 0);
   if (channel_sums) {
-    float* const grad_weight = buffer.data_ptr<float>();
     C10_CUDA_CHECK(instance_norm::parameter_gradients(grad_weight, grad_weight + channels, problem.sum_dy_xhat,
                                                       problem.sum_dy, input.size(0), channels, stream));
   }
@@ -1036,9 +1103,14 @@ TORCH_LIBRARY_IMPL(instance_norm_cuda, ADInplaceOrView, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "InstanceNorm CUDA kernels (see kernels/instance_norm.h and kernels/instance_norm_entry.cpp)";
-  m.def("instance_norm", &instance_norm_eager,
-        "F.instance_norm on the kernels, then the epilogue: (input, running_mean, running_var, weight, bias, "
-        "use_input_stats, momentum, eps, activation, negative_slope, residual), positional");
+  // Outlives the module, as CPython requires of a method table.
+  static PyMethodDef fastcall_methods[] = {
+      {"instance_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&instance_norm_eager)),
+       METH_FASTCALL,
+       "F.instance_norm on the kernels, then the epilogue: (input, running_mean, running_var, weight, bias, "
+       "use_input_stats, momentum, eps, activation, negative_slope, residual), positional"},
+      {nullptr, nullptr, 0, nullptr}};
+  if (PyModule_AddFunctions(m.ptr(), fastcall_methods) != 0) throw py::error_already_set();
   m.def("forward", &forward_test, "forward (y only) on a forced path (0 = automatic)", py::arg("input"),
         py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5, py::arg("path") = 0,
         py::arg("activation") = py::none(), py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
