@@ -25,10 +25,9 @@ solution.convert_instance_norm ("fused": our norms with the activation modules t
 follow them in an nn.Sequential folded in; the transformer net calls F.relu, so it
 gets none), and with nn.Identity in their place ("identity", the floor). One step is zero_grad, forward, an MSE loss, backward and
 an SGD step. Modes: fp32 eager; bf16 autocast eager; bf16 autocast with
-torch.compile(mode="reduce-overhead") of the net. Each variant's steps are timed in
---rounds rounds that alternate the variants, --steps steps a round, each step's wall
-time taken on the host with a synchronize after it (host time included: what a user
-waits for); the table gives medians in ms and the norm cost ratios
+torch.compile(mode="reduce-overhead") of the net. Each variant takes --rounds x --steps
+timed steps, one step of each variant in turn, each step's wall time taken on the host
+with a synchronize after it (host time included: what a user waits for); the table gives medians in ms and the norm cost ratios
 (ours - identity) / (pytorch - identity), and the same for fused.
 
 Before timing, each net's output and parameter gradients in fp32 (TF32 off, cuDNN
@@ -275,14 +274,17 @@ def step_times_ms(step, steps):
 
 
 def time_net(net, mode, steps, rounds, warmup):
-    """{variant: median step ms} over `rounds` rounds that alternate the variants."""
+    """{variant: median step ms} over rounds * steps steps of each variant, one step of
+    each in turn: the host's speed drifts by tens of percent within a minute on the
+    H200 machine (docs/perf-notes.md #125), and a drift then falls on every variant alike
+    instead of on the block of steps that one variant ran in."""
     stepper = {variant: make_step(net, variant, mode) for variant in VARIANTS}
     for step in stepper.values():
         step_times_ms(step, warmup)
     times = {variant: [] for variant in VARIANTS}
-    for _ in range(rounds):
+    for _ in range(rounds * steps):
         for variant, step in stepper.items():
-            times[variant] += step_times_ms(step, steps)
+            times[variant] += step_times_ms(step, 1)
     return {variant: statistics.median(t) for variant, t in times.items()}
 
 
@@ -419,8 +421,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nets", default=",".join(NETS), help="comma-separated: " + ", ".join(NETS))
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds alternating the variants")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round (rounds x steps in all)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each variant takes rounds x steps steps, one step of each in turn")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compile included)")
     parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
