@@ -629,7 +629,7 @@ __device__ __forceinline__ V combine_team_totals(int size, TotalOf total_of) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 struct ClusterTeam {
   // Every thread stages its next-slice columns before the allreduce (a split like
-  // the cooperative team's was 8-10% slower on clusters: docs/perf-notes.md #35).
+  // the cooperative team's measured slower on clusters: docs/perf-notes.md #35).
   __device__ static constexpr bool stages_after_allreduce() { return false; }
   cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
 

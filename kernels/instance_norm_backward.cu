@@ -517,8 +517,7 @@ constexpr int kDyRingSlots = 3;
 // same bits), then compute dx from the second read of dy (from L2 when it kept it)
 // and write it with streaming stores. HBM: x and dy read once when L2 keeps the
 // team's dy (1 MB per fp32 512 x 512 slice) between the reads, dx written once
-// (ncu on fp32 (16, 64, 512, 512), register batches: 2.16 GB read from DRAM for
-// 2.15 GB of x and dy). The x staging is not a per-thread cp.async group because a
+// (ncu: DRAM reads equal x's and dy's bytes; docs/perf-notes.md #37). The x staging is not a per-thread cp.async group because a
 // wait for a later dy group would also wait for it (groups complete in order),
 // holding the first dy read until the next slice's x has arrived (docs/perf-notes.md #40).
 // Registers hold the raw 16-byte vectors of x (unpacked to float when used), so a
@@ -528,8 +527,8 @@ constexpr int kDyRingSlots = 3;
 // device can run (the launcher checks).
 // ACTIVATION: the epilogue's activation, whose derivative is compiled in (kNone: the
 // plain kernels, with their own code and registers). One kernel per activation, not
-// a run-time switch per vector: with the switch, the derivative's kernels took 3x
-// the plain one's time (docs/perf-notes.md #100).
+// a run-time switch per vector: the switch made the derivative's kernels far slower
+// than the plain one (docs/perf-notes.md #100).
 template <typename T, int THREADS, int VALUES_PER_THREAD, Activation ACTIVATION, typename Team>
 __device__ __forceinline__ void backward_resident(const BackwardProblem& p, const Team& team) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -310,9 +310,9 @@ at::Tensor instance_norm_op(const at::Tensor& input, const std::optional<at::Ten
 // What eager Python calls: instance_norm(input, running_mean, running_var, weight,
 // bias, use_input_stats, momentum, eps, activation, negative_slope, residual), all
 // eleven positional, one call for the whole layer. A METH_FASTCALL function, as
-// PyTorch binds its own ops, not a pybind11 one: pybind11 took about four times as
-// long for these eleven arguments as for a call without any (docs/perf-notes.md
-// #124). Errors reach Python as they did through pybind11 (HANDLE_TH_ERRORS: c10's
+// PyTorch binds its own ops, not a pybind11 one: after the launch, pybind11's
+// conversion of eleven arguments was the largest piece of the front's host time
+// (docs/perf-notes.md #124). Errors reach Python as they did through pybind11 (HANDLE_TH_ERRORS: c10's
 // TypeError and ValueError as Python's, other c10 errors as RuntimeError; TORCH_WARN
 // as a Python warning).
 std::optional<at::Tensor> optional_tensor(PyObject* value, const char* name) {
