@@ -243,3 +243,29 @@ def test_fallback_takes_none_as_an_activation_name(solution, fallback):
     x = torch.rand(2, 3, 4)
     for module in (solution, fallback):
         torch.testing.assert_close(module.instance_norm(x, activation="none"), F.instance_norm(x))
+
+
+# Direct calls of the extension's front with arguments instance_norm would have refused
+# (its own checks: a wrong value must raise, not reach C++ as another type).
+FRONT = (None, None, None, None, True, 0.1, 1e-5, None, 0.01, None)
+BAD_FRONT_CALLS = {
+    "too few arguments": (lambda ext, x: ext.instance_norm(x), "11 positional arguments"),
+    "input not a tensor": (lambda ext, x: ext.instance_norm(1.0, *FRONT), "input must be a torch.Tensor, got float"),
+    "weight not a tensor": (lambda ext, x: ext.instance_norm(x, None, None, 3, *FRONT[3:]),
+                            "weight must be a torch.Tensor or None, got int"),
+    "residual not a tensor": (lambda ext, x: ext.instance_norm(x, *FRONT[:-1], [1]),
+                              "residual must be a torch.Tensor or None, got list"),
+    "activation not a str": (lambda ext, x: ext.instance_norm(x, *FRONT[:7], 5, *FRONT[8:]),
+                             "activation must be None or a str, got int"),
+    "eps not a number": (lambda ext, x: ext.instance_norm(x, *FRONT[:6], "1e-5", *FRONT[7:]), "must be real number"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FRONT_CALLS))
+def test_extension_front_checks_its_arguments(solution, case):
+    """The METH_FASTCALL front raises TypeError naming the argument; a good call still runs."""
+    call, message = BAD_FRONT_CALLS[case]
+    x = torch.rand(2, 3, 4)
+    with pytest.raises(TypeError, match=message):
+        call(solution._EXT, x)
+    torch.testing.assert_close(solution._EXT.instance_norm(x, *FRONT), F.instance_norm(x))
