@@ -659,50 +659,56 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
       }
     };
 
-    // dy, first read (HBM), in batches: L2 is asked to keep it for the second.
-    float2 sums = make_float2(0.f, 0.f);
+    // Pass 1, dy's first read (HBM), in batches, L2 asked to keep it for the second:
+    // this thread's sums of dy and dy * (x - mean).
+    const auto sum_pass = [&]() {
+      float2 sums = make_float2(0.f, 0.f);
 #pragma unroll
-    for (int b = 0; b < kVecs; b += kBatch) {
-      uint4 dy_raw[kBatch];
-      read_fill(b / kBatch, slice, next, dy_raw);
+      for (int b = 0; b < kVecs; b += kBatch) {
+        uint4 dy_raw[kBatch];
+        read_fill(b / kBatch, slice, next, dy_raw);
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (b + j < valid) {
-          float xv[kPer], dyv[kPer];
+        for (int j = 0; j < kBatch; ++j) {
+          if (b + j < valid) {
+            float xv[kPer], dyv[kPer];
+            unpack_pair(x_raw[b + j], dy_raw[j], xv, dyv);
+#pragma unroll
+            for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+          }
+        }
+        asm volatile("" ::: "memory");  // one batch of dy in registers at a time
+      }
+      return sums;
+    };
+    // Pass 2, dy's second and last read (from L2 when it kept it): dx from the
+    // team's totals, stored streaming.
+    const auto dx_pass = [&](const DxCoefficients& coefficients) {
+      uint4* slice_dx = reinterpret_cast<uint4*>(dx + slice * spatial) + first;
+#pragma unroll
+      for (int b = 0; b < kVecs; b += kBatch) {
+        uint4 dy_raw[kBatch];
+        read_fill(kFillsPerRead + b / kBatch, slice, next, dy_raw);
+        uint4 dx_raw[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          float xv[kPer], dyv[kPer], out[kPer];
           unpack_pair(x_raw[b + j], dy_raw[j], xv, dyv);
 #pragma unroll
-          for (int k = 0; k < kPer; ++k) accumulate(sums, xv[k], dyv[k], mean);
+          for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
+          dx_raw[j] = S::pack(out);
         }
+        store_batch<THREADS>(slice_dx + b * THREADS, b, valid, dx_raw, std::make_integer_sequence<int, kBatch>());
+        asm volatile("" ::: "memory");  // one batch of dy in registers at a time
       }
-      asm volatile("" ::: "memory");  // one batch of dy in registers at a time
-    }
+    };
 
-    const float2 total = team.template allreduce<SumFloat2>(sums, storage, round);
+    const float2 total = team.template allreduce<SumFloat2>(sum_pass(), storage, round);
     const float sum_dy_xhat = total.y * rstd;
     if (writes_sums) {
       p.sum_dy[slice] = total.x;
       p.sum_dy_xhat[slice] = sum_dy_xhat;
     }
-    const DxCoefficients coefficients =
-        dx_coefficients(mean, rstd, weight, total.x, sum_dy_xhat, inv_spatial);
-    uint4* slice_dx = reinterpret_cast<uint4*>(dx + slice * spatial) + first;
-    // dy, second and last read (from L2 when it kept it).
-#pragma unroll
-    for (int b = 0; b < kVecs; b += kBatch) {
-      uint4 dy_raw[kBatch];
-      read_fill(kFillsPerRead + b / kBatch, slice, next, dy_raw);
-      uint4 dx_raw[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        float xv[kPer], dyv[kPer], out[kPer];
-        unpack_pair(x_raw[b + j], dy_raw[j], xv, dyv);
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) out[k] = input_gradient(coefficients, xv[k], dyv[k]);
-        dx_raw[j] = S::pack(out);
-      }
-      store_batch<THREADS>(slice_dx + b * THREADS, b, valid, dx_raw, std::make_integer_sequence<int, kBatch>());
-      asm volatile("" ::: "memory");  // one batch of dy in registers at a time
-    }
+    dx_pass(dx_coefficients(mean, rstd, weight, total.x, sum_dy_xhat, inv_spatial));
   }
   team.finish();
 #endif
