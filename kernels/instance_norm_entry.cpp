@@ -2,9 +2,9 @@
 //
 //   1. instance_norm(...): the front that Python calls (directly in eager mode, a
 //      METH_FASTCALL function; as the op instance_norm_cuda::instance_norm under
-//      torch.compile). It holds the
-//      one validation of user arguments, sends CPU and float64 inputs to PyTorch's
-//      own op, and otherwise calls the ops below through the dispatcher.
+//      torch.compile). It holds the one validation of user arguments, sends CPU and
+//      float64 inputs to PyTorch's own op, and otherwise calls the ops below through
+//      the dispatcher.
 //   2. Autograd kernels (DispatchKey Autograd): the forward op's backward node, and
 //      torch::autograd::Function subclasses around the other ops, serving eager mode
 //      and torch.compile alike.
@@ -307,14 +307,8 @@ at::Tensor instance_norm_op(const at::Tensor& input, const std::optional<at::Ten
                negative_slope, residual, false);
 }
 
-// What eager Python calls: instance_norm(input, running_mean, running_var, weight,
-// bias, use_input_stats, momentum, eps, activation, negative_slope, residual), all
-// eleven positional, one call for the whole layer. A METH_FASTCALL function, as
-// PyTorch binds its own ops, not a pybind11 one: after the launch, pybind11's
-// conversion of eleven arguments was the largest piece of the front's host time
-// (docs/perf-notes.md #124). Errors reach Python as they did through pybind11 (HANDLE_TH_ERRORS: c10's
-// TypeError and ValueError as Python's, other c10 errors as RuntimeError; TORCH_WARN
-// as a Python warning).
+// A Python argument of the eager front: None or a tensor (TypeError naming `name`
+// otherwise); a float (or anything with __float__; its own TypeError otherwise).
 std::optional<at::Tensor> optional_tensor(PyObject* value, const char* name) {
   if (value == Py_None) return std::nullopt;
   TORCH_CHECK_TYPE(THPVariable_Check(value), "instance_norm: ", name, " must be a torch.Tensor or None, got ",
@@ -328,6 +322,14 @@ double float_argument(PyObject* value) {
   return number;
 }
 
+// What eager Python calls: instance_norm(input, running_mean, running_var, weight,
+// bias, use_input_stats, momentum, eps, activation, negative_slope, residual), all
+// eleven positional, one call for the whole layer. A METH_FASTCALL function, as
+// PyTorch binds its own ops, not a pybind11 one: after the launch, pybind11's
+// conversion of eleven arguments was the largest piece of the front's host time
+// (docs/perf-notes.md #124). Errors reach Python as they did through pybind11
+// (HANDLE_TH_ERRORS: c10's TypeError and ValueError as Python's, other c10 errors as
+// RuntimeError; TORCH_WARN as a Python warning).
 PyObject* instance_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 11, "instance_norm: the extension's front takes 11 positional arguments, got ",
