@@ -27,7 +27,8 @@ gets none), and with nn.Identity in their place ("identity", the floor). One ste
 an SGD step. Modes: fp32 eager; bf16 autocast eager; bf16 autocast with
 torch.compile(mode="reduce-overhead") of the net. Each variant takes --rounds x --steps
 timed steps, one step of each variant in turn, each step's wall time taken on the host
-with a synchronize after it (host time included: what a user waits for); the table gives medians in ms and the norm cost ratios
+with a synchronize after it (host time included: what a user waits for); the table
+gives medians in ms and the norm cost ratios
 (ours - identity) / (pytorch - identity), and the same for fused.
 
 Before timing, each net's output and parameter gradients in fp32 (TF32 off, cuDNN

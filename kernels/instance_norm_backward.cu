@@ -517,9 +517,10 @@ constexpr int kDyRingSlots = 3;
 // same bits), then compute dx from the second read of dy (from L2 when it kept it)
 // and write it with streaming stores. HBM: x and dy read once when L2 keeps the
 // team's dy (1 MB per fp32 512 x 512 slice) between the reads, dx written once
-// (ncu: DRAM reads equal x's and dy's bytes; docs/perf-notes.md #37). The x staging is not a per-thread cp.async group because a
-// wait for a later dy group would also wait for it (groups complete in order),
-// holding the first dy read until the next slice's x has arrived (docs/perf-notes.md #40).
+// (ncu: DRAM reads equal x's and dy's bytes; docs/perf-notes.md #37). The x staging is
+// not a per-thread cp.async group because a wait for a later dy group would also wait
+// for it (groups complete in order), holding the first dy read until the next slice's x
+// has arrived (docs/perf-notes.md #40).
 // Registers hold the raw 16-byte vectors of x (unpacked to float when used), so a
 // 16-bit variant holds twice the values of a float32 one in the same registers.
 // Needs resident_variant's shared bytes of dynamic shared memory, spatial %
