@@ -398,6 +398,25 @@ __device__ __forceinline__ V warp_allreduce(V value, Op op) {
   return group_allreduce(value, kWarpSize, op);
 }
 
+// Items shared out to groups of `group_lanes` lanes (a power of two <= 32, aligned
+// in the warp) of a grid of THREADS-thread CTAs, so that many small items (e.g.
+// 70,000 slices of 16 values) take a few lanes each rather than a warp or a CTA.
+// Calls f(item, in_range, group_lane) with a trip count uniform across the warp, so
+// every lane reaches the groups' shuffles; past the last item f runs with in_range =
+// false and must add nothing.
+template <int THREADS, typename F>
+__device__ __forceinline__ void for_each_group_item(int64_t num_items, int group_lanes, F f) {
+  constexpr int kWarps = THREADS / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t groups_per_warp = kWarpSize / group_lanes;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarps * groups_per_warp;
+  for (int64_t first = warp * groups_per_warp; first < num_items; first += step) {
+    const int64_t item = first + lane / group_lanes;
+    f(item, item < num_items, lane % group_lanes);
+  }
+}
+
 // Block-wide reduction (cub::BlockReduce) whose result every thread of the block
 // gets; `result` carries thread 0's total to the others. Contains __syncthreads:
 // every thread of the block must call it.
@@ -792,6 +811,14 @@ cudaError_t dispatch_activation(Activation a, F f) {
     case Activation::kGeluTanh: return f(integral_constant<Activation, Activation::kGeluTanh>());
   }
   return cudaErrorInvalidValue;
+}
+
+// The smallest power of two >= work, at most a warp: lanes per item of
+// for_each_group_item.
+inline int lanes_for(int64_t work) {
+  int lanes = 1;
+  while (lanes < kWarpSize && lanes < work) lanes *= 2;
+  return lanes;
 }
 
 // A grid-stride kernel's CTA count: enough to cover `work` items of `per_cta` each,

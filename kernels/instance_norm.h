@@ -146,6 +146,7 @@ struct SplitPlan {
   size_t partials_bytes;  // the workspace's partials, before the per-slice float4s
   int stats_unit;         // values per unit of the partials' loads: one 16-byte vector, or 1
   unsigned stats_grid;
+  int combine_lanes;      // lanes per slice of the combination: a power of two up to a warp, or a CTA's threads
   unsigned combine_grid;
   int sweep_unit;         // values per unit of the sweep: one 16-byte vector, or 1
   int64_t sweep_chunks;   // channels-last: the sweep's chunks of rows per (n, channel tile)

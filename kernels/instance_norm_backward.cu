@@ -175,23 +175,6 @@ __device__ __forceinline__ void sweep(const T* x, const T* dy, int64_t first, in
   }
 }
 
-// Items shared out to groups of `group_lanes` lanes (a power of two <= 32, aligned
-// in the warp), so that many small slices (e.g. 70,000 of 16 values) take a few
-// lanes each rather than a warp or a CTA. Calls f(item, in_range, group_lane) with
-// a trip count uniform across the warp, so every lane reaches the groups' shuffles;
-// past the last item f runs with in_range = false and must add nothing.
-template <typename F>
-__device__ __forceinline__ void for_each_group_item(int64_t num_items, int group_lanes, F f) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t groups_per_warp = kWarpSize / group_lanes;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kGenericWarps + threadIdx.x / kWarpSize;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kGenericWarps * groups_per_warp;
-  for (int64_t first = warp * groups_per_warp; first < num_items; first += step) {
-    const int64_t item = first + lane / group_lanes;
-    f(item, item < num_items, lane % group_lanes);
-  }
-}
-
 // Contiguous item = (slice, chunk): the elements [begin, end); empty out of range.
 struct ContiguousChunk {
   int64_t slice, begin, end;
@@ -225,7 +208,7 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   const T* x = static_cast<const T*>(p.x);
   const T* dy = static_cast<const T*>(p.dy);
   const int64_t step = static_cast<int64_t>(plan.lanes_per_chunk) * kPer;
-  for_each_group_item(plan.num_items, plan.lanes_per_chunk, [&](int64_t item, bool in_range, int group_lane) {
+  for_each_group_item<kGenericThreads>(plan.num_items, plan.lanes_per_chunk, [&](int64_t item, bool in_range, int group_lane) {
     const ContiguousChunk chunk = contiguous_chunk(p, plan, item, in_range);
     const float mean = in_range ? __ldg(p.mean + chunk.slice) : 0.f;
     const bool epilogue = p.epilogue.activation != Activation::kNone;
@@ -257,7 +240,7 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
   T* dx = static_cast<T*>(p.dx);
   const float inv_spatial = 1.f / static_cast<float>(p.spatial);
   const int64_t step = static_cast<int64_t>(plan.lanes_per_chunk) * kPer;
-  for_each_group_item(plan.num_items, plan.lanes_per_chunk, [&](int64_t item, bool in_range, int group_lane) {
+  for_each_group_item<kGenericThreads>(plan.num_items, plan.lanes_per_chunk, [&](int64_t item, bool in_range, int group_lane) {
     if (!in_range) return;  // no shuffles below
     const ContiguousChunk chunk = contiguous_chunk(p, plan, item, in_range);
     const int64_t slice = chunk.slice;
@@ -453,7 +436,7 @@ __global__ void __launch_bounds__(kGenericThreads, 1)
     combine_partials_kernel(const BackwardProblem p, const GenericPlan plan, const float2* partials) {
   const int64_t chunk_stride = plan.channels_last ? p.num_channels : 1;
   const int64_t lanes = plan.lanes_per_slice;
-  for_each_group_item(p.num_slices(), plan.lanes_per_slice, [&](int64_t slice, bool in_range,
+  for_each_group_item<kGenericThreads>(p.num_slices(), plan.lanes_per_slice, [&](int64_t slice, bool in_range,
                                                                           int group_lane) {
     int64_t first = 0, chunks = 0;  // partials[first + chunk * chunk_stride], chunk < chunks
     if (in_range) {
@@ -846,13 +829,6 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backwar
 }
 
 // ---- host: the choice of path and the launches ----
-
-// The smallest power of two >= work, at most a warp.
-int lanes_for(int64_t work) {
-  int lanes = 1;
-  while (lanes < kWarpSize && lanes < work) lanes *= 2;
-  return lanes;
-}
 
 // Channels-last with one channel or one spatial value is the contiguous layout.
 bool channels_last(const BackwardProblem& p) {

@@ -7,8 +7,9 @@
 //      chunk: contiguous, chunks of contiguous_chunk_units units (values or 16-byte
 //      vectors) of one slice; channels-last, chunks of ChannelsLastTiling::chunk_rows
 //      positions of one n for a tile of up to 32 units of channels;
-//   2. a CTA per slice combines its chunks in a fixed order (Chan et al.) into
-//      {shift, mean, rstd * weight, bias} (or takes running_mean/var in eval);
+//   2. a group of lanes per slice (a CTA for thousands of chunks) combines its chunks
+//      in a fixed order (Chan et al.) into {shift, mean, rstd * weight, bias} (or
+//      takes running_mean/var in eval);
 //   3. an elementwise sweep y = ((x - shift) - mean) * scale + bias: contiguous over
 //      the flat tensor; channels-last by the partials' tiling, each thread holding
 //      its channels' float4s in registers.
@@ -346,35 +347,75 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == sizeof(float) ? kChanne
 // Kernel 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]} (scaled
 // back from d by 1 / k and k, which is exact); the slice's statistics are its chunks'
 // partials combined (and saved to the optional outputs), or running_mean[c] and
-// running_var[c] in eval (shift 0). A CTA per slice: thread t combines chunks t,
-// t + kThreads, ... in order, then one block reduction (a fixed order: bit-identical
-// run to run). Slices of millions of values have thousands of chunks.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    slice_stats_kernel(const ForwardProblem p, int64_t chunks, const SliceStats* partials, float4* slice_stats) {
-  __shared__ typename BlockStatsReduce<kThreads>::TempStorage storage;
-  const int64_t num_slices = p.num_slices();
-  for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
-    const int64_t n = slice / p.num_channels;
-    const int64_t channel = slice - n * p.num_channels;
-    float shift = 0.f, mean, rstd;
-    if (p.running_mean != nullptr) {
-      mean = __ldg(p.running_mean + channel);
-      rstd = rsqrtf(__ldg(p.running_var + channel) + p.eps);
-    } else {
-      const SliceShift slice_shift_scale = SliceShift::of(slice_shift<T>(p, n, channel));
-      SliceStats total{0.f, 0.f, 0.f};
-      for (int64_t j = threadIdx.x; j < chunks; j += kThreads) total = combine(total, partials[slice * chunks + j]);
-      total = BlockStatsReduce<kThreads>::allreduce(total, storage);
-      shift = slice_shift_scale.value();
-      mean = slice_shift_scale.relative_mean(total.mean);
-      rstd = slice_shift_scale.rstd(slice_shift_scale.rstd_of_d(total.m2, static_cast<float>(p.spatial), p.eps));
-      if (threadIdx.x == 0 && p.mean != nullptr) p.mean[slice] = slice_shift_scale.mean(total.mean);
-      if (threadIdx.x == 0 && p.rstd != nullptr) p.rstd[slice] = rstd;
+// running_var[c] in eval (shift 0). `lanes` lanes take a slice (lanes_for(chunks); 1
+// in eval), or with CTA_PER_SLICE a whole CTA, for slices of thousands of chunks:
+// lane l combines chunks l, l + lanes, ... in order, kCombineLoads loads in flight,
+// then a butterfly (a block reduction across a CTA). Fixed orders: bit-identical run
+// to run. A CTA per slice of a few chunks made the many-slice split problems pay a
+// block reduction per slice (docs/perf-notes.md #130).
+constexpr int kCombineLoads = 8;
+constexpr int64_t kCtaPerSliceMinChunks = int64_t{kWarpSize} * kCombineLoads;
+
+// Chunks lane, lane + lanes, ... of one slice's partials, combined in that order.
+__device__ __forceinline__ SliceStats combine_chunks(const SliceStats* slice_partials, int64_t chunks, int lane,
+                                                     int lanes) {
+  SliceStats total{0.f, 0.f, 0.f};
+  for (int64_t base = lane; base < chunks; base += int64_t{lanes} * kCombineLoads) {
+    SliceStats part[kCombineLoads];
+#pragma unroll
+    for (int u = 0; u < kCombineLoads; ++u) {
+      const int64_t chunk = base + int64_t{u} * lanes;
+      part[u] = chunk < chunks ? slice_partials[chunk] : SliceStats{0.f, 0.f, 0.f};
     }
-    const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
-    const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
-    if (threadIdx.x == 0) slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
+#pragma unroll
+    for (int u = 0; u < kCombineLoads; ++u) total = combine(total, part[u]);
+  }
+  return total;
+}
+
+// The float4 of one slice from its combined statistics `total` of d (or, in eval,
+// the running statistics), and its mean and rstd to the optional outputs.
+template <typename T>
+__device__ __forceinline__ void store_slice_stats(const ForwardProblem& p, int64_t slice, const SliceStats& total,
+                                                  float4* slice_stats) {
+  const int64_t n = slice / p.num_channels;
+  const int64_t channel = slice - n * p.num_channels;
+  float shift = 0.f, mean, rstd;
+  if (p.running_mean != nullptr) {
+    mean = __ldg(p.running_mean + channel);
+    rstd = rsqrtf(__ldg(p.running_var + channel) + p.eps);
+  } else {
+    const SliceShift slice_shift_scale = SliceShift::of(slice_shift<T>(p, n, channel));
+    shift = slice_shift_scale.value();
+    mean = slice_shift_scale.relative_mean(total.mean);
+    rstd = slice_shift_scale.rstd(slice_shift_scale.rstd_of_d(total.m2, static_cast<float>(p.spatial), p.eps));
+    save_slice_stats(p, slice, slice_shift_scale.mean(total.mean), rstd);
+  }
+  const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
+  const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
+  slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
+}
+
+template <typename T, bool CTA_PER_SLICE>
+__global__ void __launch_bounds__(kThreads)
+    slice_stats_kernel(const ForwardProblem p, int64_t chunks, int lanes, const SliceStats* partials,
+                       float4* slice_stats) {
+  const int64_t num_slices = p.num_slices();
+  if constexpr (CTA_PER_SLICE) {
+    __shared__ typename BlockStatsReduce<kThreads>::TempStorage storage;
+    for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
+      const SliceStats total = BlockStatsReduce<kThreads>::allreduce(
+          combine_chunks(partials + slice * chunks, chunks, threadIdx.x, kThreads), storage);
+      if (threadIdx.x == 0) store_slice_stats<T>(p, slice, total, slice_stats);
+    }
+  } else {
+    const bool eval = p.running_mean != nullptr;
+    for_each_group_item<kThreads>(num_slices, lanes, [&](int64_t slice, bool in_range, int lane) {
+      SliceStats total{0.f, 0.f, 0.f};
+      if (in_range && !eval) total = combine_chunks(partials + slice * chunks, chunks, lane, lanes);
+      total = group_allreduce(total, lanes, CombineStats());
+      if (in_range && lane == 0) store_slice_stats<T>(p, slice, total, slice_stats);
+    });
   }
 }
 
@@ -486,7 +527,13 @@ ForwardPlan split_plan(const ForwardProblem& p) {
   const int64_t partials = p.running_mean != nullptr ? 0 : p.num_slices() * split.chunks;
   split.partials_bytes = static_cast<size_t>(round_up(partials * static_cast<int64_t>(sizeof(SliceStats)), 16));
   plan.workspace_bytes = split.partials_bytes + static_cast<size_t>(p.num_slices()) * sizeof(float4);
-  split.combine_grid = grid_for(p.num_slices(), 1);
+  if (p.running_mean == nullptr && split.chunks >= kCtaPerSliceMinChunks) {
+    split.combine_lanes = kThreads;
+    split.combine_grid = grid_for(p.num_slices(), 1);
+  } else {
+    split.combine_lanes = p.running_mean != nullptr ? 1 : lanes_for(split.chunks);
+    split.combine_grid = grid_for(p.num_slices(), kThreads / split.combine_lanes);
+  }
   if (contiguous) {
     split.stats_grid = grid_for(partials, 1);
     split.sweep_grid = grid_for(p.num_slices() * p.spatial / split.sweep_unit, kSweepTile);
@@ -546,7 +593,8 @@ cudaError_t launch_split(const ForwardProblem& p, const SplitPlan& plan, cudaStr
       const cudaError_t error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
-    slice_stats_kernel<T><<<plan.combine_grid, kThreads, 0, stream>>>(p, plan.chunks, partials, slice_stats);
+    auto combine = plan.combine_lanes == kThreads ? slice_stats_kernel<T, true> : slice_stats_kernel<T, false>;
+    combine<<<plan.combine_grid, kThreads, 0, stream>>>(p, plan.chunks, plan.combine_lanes, partials, slice_stats);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
     launch_normalize<T>(p, plan, slice_stats, stream);

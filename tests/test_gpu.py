@@ -241,6 +241,22 @@ def test_split_path_at_every_chunk_size(solution, rounds):
     assert error <= TOLERANCE[x.dtype], f"{channels} channels: max abs error {error:.3g} against float64"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_path_combines_slices_of_many_chunks(solution, dtype):
+    """Slices of 16 M values take hundreds of chunks on the split path, which a whole
+    CTA per slice combines (slice_stats_kernel's CTA_PER_SLICE; slices of fewer chunks
+    take a group of lanes each, the tests around this one); output, mean and rstd
+    match float64."""
+    torch.manual_seed(13)
+    x = (torch.randn(1, 2, 4096, 4096, device="cuda") * 2 + 3).to(dtype)
+    out, stats = run_poisoned(lambda: solution._EXT.forward_with_stats(x, path=SPLIT), x)
+    error = (out.double() - float64_reference(x)).abs().max().item()
+    assert error <= TOLERANCE[dtype], f"max abs error {error:.3g} against float64"
+    mean, var = float64_stats(x)
+    torch.testing.assert_close(stats[0].double(), mean.flatten(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats[1].double(), (var.flatten() + 1e-5).rsqrt(), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("shape", [(1, 64, 100, 100), (128, 64, 100, 100)], ids=shape_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_split_path_channels_last_small_and_large(solution, shape, dtype):
