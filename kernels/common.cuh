@@ -33,6 +33,18 @@ constexpr int kWarpSize = 32;
 // Hopper's largest cluster (16 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed).
 constexpr int kMaxClusterSize = 16;
 
+// torch.relu: negative values to 0, NaN kept; on sm_80+ one max.NaN (PTX ISA, max),
+// where fmaxf would turn NaN into 0.
+__device__ __forceinline__ float relu(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float out;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(out) : "f"(v));
+  return out;
+#else
+  return v < 0.f ? 0.f : v;
+#endif
+}
+
 // Storage types (float, __half, __nv_bfloat16): how many values one 16-byte vector
 // holds, and their conversion to and from the float32 all arithmetic is done in.
 template <typename T>
@@ -58,9 +70,10 @@ struct Storage<float> {
 // second unpacking of the same values by other instructions (kToFloat2ByPermute):
 // the compiler does not merge a loop that unpacks one way with a later one that
 // unpacks the other way, where it would otherwise keep the unpacked floats live
-// from the first loop to the second.
+// from the first loop to the second. pack_relu(in) is pack of the values' relu
+// (kFromFloatsRelu converts the relu of two values).
 template <typename T, typename T2, float2 (*kToFloat2)(T2), T2 (*kFromFloats)(float, float),
-          float2 (*kToFloat2ByPermute)(T2) = nullptr>
+          T2 (*kFromFloatsRelu)(float, float), float2 (*kToFloat2ByPermute)(T2) = nullptr>
 struct Storage16 {
   static constexpr int kPerVector = 8;
   static constexpr bool kHasPermuteUnpack = kToFloat2ByPermute != nullptr;
@@ -79,16 +92,39 @@ struct Storage16 {
       out[2 * k] = f.x, out[2 * k + 1] = f.y;
     }
   }
-  __device__ static uint4 pack(const float* in) {
+  __device__ static uint4 pack(const float* in) { return pack_with<kFromFloats>(in); }
+  __device__ static uint4 pack_relu(const float* in) { return pack_with<kFromFloatsRelu>(in); }
+  template <T2 (*kConvert)(float, float)>
+  __device__ static uint4 pack_with(const float* in) {
     unsigned words[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const T2 pair = kFromFloats(in[2 * k], in[2 * k + 1]);
+      const T2 pair = kConvert(in[2 * k], in[2 * k + 1]);
       memcpy(&words[k], &pair, sizeof(pair));
     }
     return make_uint4(words[0], words[1], words[2], words[3]);
   }
 };
+
+// The relu of two floats, converted to a 16-bit pair (a to the low half): on sm_80+
+// one cvt, whose .relu clamps negative results to 0 and keeps NaN (PTX ISA, cvt),
+// so a 16-bit store's ReLU costs no instruction of its own.
+template <typename T2, T2 (*kFromFloats)(float, float)>
+__device__ __forceinline__ T2 floats_to_pair_relu(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned word;
+  if constexpr (cuda::std::is_same_v<T2, __half2>) {
+    asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(b), "f"(a));
+  } else {
+    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(b), "f"(a));
+  }
+  T2 pair;
+  memcpy(&pair, &word, sizeof(pair));
+  return pair;
+#else
+  return kFromFloats(relu(a), relu(b));
+#endif
+}
 
 __device__ __forceinline__ float2 half2_to_float2(__half2 v) { return __half22float2(v); }
 __device__ __forceinline__ __half2 floats_to_half2(float a, float b) { return __floats2half2_rn(a, b); }
@@ -110,14 +146,16 @@ __device__ __forceinline__ __nv_bfloat162 floats_to_bfloat162(float a, float b) 
 }
 
 template <>
-struct Storage<__half> : Storage16<__half, __half2, half2_to_float2, floats_to_half2> {
+struct Storage<__half> : Storage16<__half, __half2, half2_to_float2, floats_to_half2,
+                                   floats_to_pair_relu<__half2, floats_to_half2>> {
   __device__ static float to_float(__half v) { return __half2float(v); }
   __device__ static __half from_float(float v) { return __low2half(__float2half2_rn(v)); }
 };
 
 template <>
-struct Storage<__nv_bfloat16> : Storage16<__nv_bfloat16, __nv_bfloat162, bfloat162_to_float2, floats_to_bfloat162,
-                                          bfloat162_to_float2_by_permute> {
+struct Storage<__nv_bfloat16>
+    : Storage16<__nv_bfloat16, __nv_bfloat162, bfloat162_to_float2, floats_to_bfloat162,
+                floats_to_pair_relu<__nv_bfloat162, floats_to_bfloat162>, bfloat162_to_float2_by_permute> {
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
@@ -456,7 +494,7 @@ __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t 
 // erff, tanhf).
 template <Activation A>
 __device__ __forceinline__ float activate(float v, float negative_slope) {
-  if constexpr (A == Activation::kRelu) return v > 0.f ? v : 0.f;
+  if constexpr (A == Activation::kRelu) return relu(v);
   if constexpr (A == Activation::kLeakyRelu) return v > 0.f ? v : v * negative_slope;
   if constexpr (A == Activation::kSilu) return v / (1.f + expf(-v));
   if constexpr (A == Activation::kGelu) return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
@@ -537,13 +575,18 @@ __device__ __forceinline__ void apply_epilogue(const Epilogue& e, const void* y,
   });
 }
 
-// Epilogues as functors epilogue(y, out, v), for a store loop written once:
-// NoEpilogue does nothing; DynamicEpilogue is apply_epilogue; StaticEpilogue has its
-// activation and residual fixed at compile time, so the loop holds one activation's
-// code and no branch between its stores (with_static_epilogue picks it per call).
+// Epilogues as functors for a store loop written once: epilogue(y, out, v) on the
+// values of the vector a thread stores at `out`, then epilogue.pack<T>(v) gives the
+// vector's bits. NoEpilogue does nothing; DynamicEpilogue is apply_epilogue;
+// StaticEpilogue has its activation and residual fixed at compile time, so the loop
+// holds one activation's code and no branch between its stores
+// (with_static_epilogue picks it per call), and leaves a 16-bit vector's ReLU to
+// its pack (Storage16::pack_relu, no instruction of its own).
 struct NoEpilogue {
   template <typename T, int N>
   __device__ __forceinline__ void operator()(const void*, const T*, float (&)[N]) const {}
+  template <typename T>
+  __device__ __forceinline__ uint4 pack(const float* v) const { return Storage<T>::pack(v); }
 };
 
 struct DynamicEpilogue {
@@ -552,17 +595,33 @@ struct DynamicEpilogue {
   __device__ __forceinline__ void operator()(const void* y, const T* out, float (&v)[N]) const {
     apply_epilogue<T, N>(e, y, out, v);
   }
+  template <typename T>
+  __device__ __forceinline__ uint4 pack(const float* v) const { return Storage<T>::pack(v); }
 };
 
 template <Activation A, bool RESIDUAL>
 struct StaticEpilogue {
+  template <typename T>
+  static constexpr bool kReluInPack = A == Activation::kRelu && Storage<T>::kPerVector == 8;
+
   float negative_slope;
   const void* residual;
   template <typename T, int N>
   __device__ __forceinline__ void operator()(const void* y, const T* out, float (&v)[N]) const {
+    static_assert(N == Storage<T>::kPerVector, "a whole vector, which pack() then packs");
     if constexpr (RESIDUAL) add_residual<T, N>(residual, y, out, v);
+    if constexpr (!kReluInPack<T>) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = activate<A>(v[k], negative_slope);
+      for (int k = 0; k < N; ++k) v[k] = activate<A>(v[k], negative_slope);
+    }
+  }
+  template <typename T>
+  __device__ __forceinline__ uint4 pack(const float* v) const {
+    if constexpr (kReluInPack<T>) {
+      return Storage<T>::pack_relu(v);
+    } else {
+      return Storage<T>::pack(v);
+    }
   }
 };
 

@@ -480,7 +480,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
 #pragma unroll
           for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(kHoldsD ? v[k] : shift.apply(v[k]), scale, offset);
           epilogue(p.y, reinterpret_cast<const T*>(slice_y + first + i * THREADS), out);
-          store_streaming(slice_y + first + i * THREADS, S::pack(out));
+          store_streaming(slice_y + first + i * THREADS, epilogue.template pack<T>(out));
         });
       });
     };

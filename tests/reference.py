@@ -62,10 +62,11 @@ def float64_reference(x, weight=None, bias=None, eps=1e-5, running_mean=None, ru
     return y
 
 
-def run_poisoned(fn, like):
-    """fn() after filling the block its output (shaped like `like`) will take with NaN;
-    checks the output took that block, so unwritten elements show as NaN."""
-    poison = torch.full_like(like, float("nan"))
+def run_poisoned(fn, like, value=float("nan")):
+    """fn() after filling the block its output (shaped like `like`) will take with
+    `value` (NaN, or a finite value where NaN is an expected output); checks the output
+    took that block, so unwritten elements show."""
+    poison = torch.full_like(like, value)
     address = poison.data_ptr()
     del poison
     out = fn()

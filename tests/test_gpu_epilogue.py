@@ -81,6 +81,25 @@ def test_forward_epilogue_matches_float64_on_every_path(solution, activation, wi
         assert ran >= {BLOCK, WARP, SPLIT} and not ran & set(HOPPER_FORWARD_PATHS), ran
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+def test_relu_keeps_nan_as_torch_relu(solution, dtype):
+    """F.relu keeps NaN, and so does the fused ReLU on every forward path: a slice with
+    a NaN comes out all NaN (its statistics are NaN), also where the 16-bit resident
+    kernels fold ReLU into the conversion of their output (float16 included); the other
+    slices match float64. Outputs are poisoned with a finite value, so each NaN seen
+    was written."""
+    for x, weight, bias, _ in cases(dtype, False, 53):
+        x[(0, 0) + (1,) * (x.dim() - 2)] = float("nan")
+        expected = reference64(x, weight, bias, None, "relu")
+        for path in [p for p in FORWARD_PATHS if solution._EXT.path_supported(x, p)]:
+            out, _ = run_poisoned(lambda: solution._EXT.forward_with_stats(x, weight, bias, path=path,
+                                                                           activation="relu"), x, value=7.0)
+            assert out[0, 0].isnan().all(), f"{tuple(x.shape)} path {path}"
+            torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype],
+                                       rtol=0 if dtype == torch.float32 else 1e-2, equal_nan=True,
+                                       msg=lambda m: f"{tuple(x.shape)} path {path}: {m}")
+
+
 def gradients64(x, weight, bias, residual, activation, dy):
     leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
     r64 = residual.detach().double().requires_grad_() if residual is not None else None
