@@ -577,16 +577,21 @@ __device__ __forceinline__ void apply_epilogue(const Epilogue& e, const void* y,
 
 // Epilogues as functors for a store loop written once: epilogue(y, out, v) on the
 // values of the vector a thread stores at `out`, then epilogue.pack<T>(v) gives the
-// vector's bits. NoEpilogue does nothing; DynamicEpilogue is apply_epilogue;
-// StaticEpilogue has its activation and residual fixed at compile time, so the loop
-// holds one activation's code and no branch between its stores
-// (with_static_epilogue picks it per call), and leaves a 16-bit vector's ReLU to
-// its pack (Storage16::pack_relu, no instruction of its own).
+// vector's bits. A kernel templated on one of the types below runs its store loop
+// through Type::with(e, loop), which calls loop(epilogue) for the call's epilogue e:
+//   NoEpilogue: nothing (the plain kernels);
+//   DynamicEpilogue: apply_epilogue, the activation chosen per vector at run time;
+//   ActivationEpilogue<A>: StaticEpilogue<A, with or without the residual>, one
+//     activation compiled in, so the loop holds no branch between its stores and no
+//     other activation's registers; a 16-bit vector's ReLU is left to its pack
+//     (Storage16::pack_relu, no instruction of its own). A = kNone: the residual alone.
 struct NoEpilogue {
   template <typename T, int N>
   __device__ __forceinline__ void operator()(const void*, const T*, float (&)[N]) const {}
   template <typename T>
   __device__ __forceinline__ uint4 pack(const float* v) const { return Storage<T>::pack(v); }
+  template <typename F>
+  __device__ __forceinline__ static void with(const Epilogue&, F loop) { loop(NoEpilogue{}); }
 };
 
 struct DynamicEpilogue {
@@ -597,6 +602,8 @@ struct DynamicEpilogue {
   }
   template <typename T>
   __device__ __forceinline__ uint4 pack(const float* v) const { return Storage<T>::pack(v); }
+  template <typename F>
+  __device__ __forceinline__ static void with(const Epilogue& e, F loop) { loop(DynamicEpilogue{e}); }
 };
 
 template <Activation A, bool RESIDUAL>
@@ -625,25 +632,17 @@ struct StaticEpilogue {
   }
 };
 
-// f(StaticEpilogue<A, RESIDUAL>) for an active epilogue e (e.active()): one
-// instantiation of f per activation with and without a residual, and the residual
-// alone.
-template <typename F>
-__device__ __forceinline__ void with_static_epilogue(const Epilogue& e, F f) {
-  const auto with_residual_or_not = [&](auto a) {
-    constexpr Activation kA = decltype(a)::value;
+template <Activation A>
+struct ActivationEpilogue {
+  template <typename F>
+  __device__ __forceinline__ static void with(const Epilogue& e, F loop) {
     if (e.residual != nullptr) {
-      f(StaticEpilogue<kA, true>{e.negative_slope, e.residual});
-    } else {
-      f(StaticEpilogue<kA, false>{e.negative_slope, nullptr});
+      loop(StaticEpilogue<A, true>{e.negative_slope, e.residual});
+    } else if constexpr (A != Activation::kNone) {
+      loop(StaticEpilogue<A, false>{e.negative_slope, nullptr});
     }
-  };
-  if (e.activation == Activation::kNone) {
-    f(StaticEpilogue<Activation::kNone, true>{e.negative_slope, e.residual});
-  } else {
-    with_activation(e.activation, with_residual_or_not);
   }
-}
+};
 
 // One value's epilogue (scalar stores).
 template <typename T>

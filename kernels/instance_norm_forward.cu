@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and a team size
 // the device can run: a cluster of at most kMaxClusterSize CTAs, or at most the
 // resident CTAs for a cooperative team (the launcher checks).
-template <typename T, int THREADS, int VALUES_PER_THREAD, bool EPILOGUE, typename Team>
+template <typename T, int THREADS, int VALUES_PER_THREAD, typename STORE, typename Team>
 __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const Team& team) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
@@ -484,16 +484,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
         });
       });
     };
-    // 16-bit stores unpack each vector again, and a switch over the activation per
-    // vector there grew the kernel fivefold (docs/perf-notes.md #115, #118): so their store loop
-    // is compiled once per activation and residual. float32 keeps one loop.
-    if constexpr (!EPILOGUE) {
-      store_slice(NoEpilogue{});
-    } else if constexpr (kHoldsD) {
-      store_slice(DynamicEpilogue{p.epilogue});
-    } else {
-      with_static_epilogue(p.epilogue, store_slice);
-    }
+    STORE::with(p.epilogue, store_slice);
     // After the stores, where the values' registers are free (saving earlier spills).
     if (threadIdx.x == 0 && team.rank() == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     first_value = next_first_value;
@@ -501,42 +492,55 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
   team.finish();
 }
 
-// EPILOGUE: compiled with the epilogue (launched for problems with one); the plain
-// kernels keep the code they had without it (with the epilogue's code in them,
-// problems without one ran slower: docs/perf-notes.md #111).
-template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, bool EPILOGUE>
+// STORE: the epilogue type of the store loop (common.cuh): NoEpilogue for problems
+// without one, whose kernels keep the code they had without epilogues (with the
+// epilogue's code in them, they ran slower: docs/perf-notes.md #111); float32
+// DynamicEpilogue, one kernel for every epilogue; 16-bit ActivationEpilogue, a kernel
+// per activation: its stores unpack each vector again, and a switch over the
+// activation there grew the kernel fivefold, and the store loops of all activations
+// in one kernel spilled (docs/perf-notes.md #115, #118, #132).
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, typename STORE>
 __global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
   with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
-                  [&](const auto& team) { forward_resident<T, THREADS, VALUES_PER_THREAD, EPILOGUE>(p, team); });
+                  [&](const auto& team) { forward_resident<T, THREADS, VALUES_PER_THREAD, STORE>(p, team); });
 }
 
-template <typename T, int THREADS, int VALUES, bool EPILOGUE>
+template <typename T, int THREADS, int VALUES, typename STORE>
 constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
           THREADS * VALUES * static_cast<int>(sizeof(T)),
           static_cast<int>(sizeof(SliceStats)),
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, EPILOGUE>,
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, EPILOGUE>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, STORE>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, STORE>,
           false};
 }
 
 // 512 threads x 16 vectors: 128 KB of registers plus 128 KB of the staged next
 // slice per CTA, one CTA per SM. A 512 x 512 slice takes a cluster of 8 in fp32 (64
 // values per thread) and of 4 in fp16/bf16 (128 values per thread)
-// (docs/perf-notes.md compares shapes).
-template <bool EPILOGUE>
+// (docs/perf-notes.md compares shapes). PLAIN: without an epilogue; else with
+// activation A (kNone: the residual alone).
+template <bool PLAIN, Activation A = Activation::kNone>
 constexpr ResidentVariant<ForwardProblem> kResidentVariants[] = {
-    resident_variant<float, 512, 64, EPILOGUE>(DType::kFloat32),
-    resident_variant<__half, 512, 128, EPILOGUE>(DType::kFloat16),
-    resident_variant<__nv_bfloat16, 512, 128, EPILOGUE>(DType::kBFloat16),
+    resident_variant<float, 512, 64, std::conditional_t<PLAIN, NoEpilogue, DynamicEpilogue>>(DType::kFloat32),
+    resident_variant<__half, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>>(DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>>(
+        DType::kBFloat16),
 };
 
-// The resident variant of p's dtype, with the epilogue where p has one.
+// The resident variant of p's dtype and epilogue.
 const ResidentVariant<ForwardProblem>& resident_variant_for(const ForwardProblem& p) {
-  return p.epilogue.active() ? variant_for(kResidentVariants<true>, p.dtype)
-                             : variant_for(kResidentVariants<false>, p.dtype);
+  if (!p.epilogue.active()) return variant_for(kResidentVariants<true>, p.dtype);
+  switch (p.epilogue.activation) {
+    case Activation::kRelu: return variant_for(kResidentVariants<false, Activation::kRelu>, p.dtype);
+    case Activation::kLeakyRelu: return variant_for(kResidentVariants<false, Activation::kLeakyRelu>, p.dtype);
+    case Activation::kSilu: return variant_for(kResidentVariants<false, Activation::kSilu>, p.dtype);
+    case Activation::kGelu: return variant_for(kResidentVariants<false, Activation::kGelu>, p.dtype);
+    case Activation::kGeluTanh: return variant_for(kResidentVariants<false, Activation::kGeluTanh>, p.dtype);
+    default: return variant_for(kResidentVariants<false>, p.dtype);
+  }
 }
 
 bool resident_supported(TeamKind team, const ForwardProblem& p) {
@@ -779,7 +783,7 @@ cudaError_t forward(const ForwardProblem& problem, const ForwardPlan& plan, cuda
 
 ForwardCapacities forward_capacities(DType dtype) {
   using namespace forward_detail;
-  return {kWarpMaxSpatial, variant_for(kResidentVariants<false>, dtype).cta_capacity, kMaxClusterSize,
+  return {kWarpMaxSpatial, variant_for(kResidentVariants<true>, dtype).cta_capacity, kMaxClusterSize,
           pipelined_cta_capacity(dtype)};
 }
 
