@@ -348,13 +348,12 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == sizeof(float) ? kChanne
 // back from d by 1 / k and k, which is exact); the slice's statistics are its chunks'
 // partials combined (and saved to the optional outputs), or running_mean[c] and
 // running_var[c] in eval (shift 0). `lanes` lanes take a slice (lanes_for(chunks); 1
-// in eval), or with CTA_PER_SLICE a whole CTA, for slices of thousands of chunks:
-// lane l combines chunks l, l + lanes, ... in order, kCombineLoads loads in flight,
-// then a butterfly (a block reduction across a CTA). Fixed orders: bit-identical run
-// to run. A CTA per slice of a few chunks made the many-slice split problems pay a
-// block reduction per slice (docs/perf-notes.md #130).
+// in eval), or with CTA_PER_SLICE a whole CTA (from kCtaPerSliceMinChunks chunks on,
+// kernels/tuning.h): lane l combines chunks l, l + lanes, ... in order, kCombineLoads
+// loads in flight, then a butterfly (a block reduction across a CTA). Fixed orders:
+// bit-identical run to run. A CTA per slice of a few chunks made the many-slice split
+// problems pay a block reduction per slice (docs/perf-notes.md #130).
 constexpr int kCombineLoads = 8;
-constexpr int64_t kCtaPerSliceMinChunks = int64_t{kWarpSize} * kCombineLoads;
 
 // Chunks lane, lane + lanes, ... of one slice's partials, combined in that order.
 __device__ __forceinline__ SliceStats combine_chunks(const SliceStats* slice_partials, int64_t chunks, int lane,

@@ -50,6 +50,12 @@ constexpr int kMinCtasPerSm = 8;
 // 80 registers, against 98 for two): more loads in flight; in 16-bit three spilled
 // and lost (docs/perf-notes.md #122).
 constexpr int kChannelsLastPartialsFp32CtasPerSm = 3;
+// A slice's partials are combined by a whole CTA from this many chunks on (by
+// lanes_for(chunks) lanes below): 256 = a warp's 32 lanes with 8 loads in flight each,
+// so a slice under it takes one round of loads. A CTA per slice of 20 chunks cost
+// 8,192-slice problems 34 us (docs/perf-notes.md #130); the threshold itself was not
+// varied.
+constexpr int64_t kCtaPerSliceMinChunks = 256;
 
 }  // namespace split_detail
 
