@@ -933,7 +933,8 @@ inline cudaLaunchConfig_t cooperative_launch_config(unsigned num_ctas, int threa
 }
 
 // query(device) for the current device, cached per (device, kernel, tag): the
-// occupancy queries below cost microseconds. 0 without a current device. A failed
+// occupancy queries below cost microseconds (kernel nullptr: a query of the device
+// alone). 0 without a current device. A failed
 // query must not be reported by the next launch check, so errors are cleared.
 template <typename Query>
 int cached_occupancy(const void* kernel, int tag, Query query) {
@@ -1012,12 +1013,10 @@ inline int sm_count(int device) {
 }
 
 // The current device's SM count (0 where a query fails; its error is cleared so a
-// later cudaGetLastError() reports only the launch).
+// later cudaGetLastError() reports only the launch). Cached as the occupancy queries
+// are (no kernel): the block path's plan asks on every call.
 inline int current_sm_count() {
-  int device = 0;
-  const int sms = cudaGetDevice(&device) == cudaSuccess ? sm_count(device) : 0;
-  if (sms == 0) cudaGetLastError();
-  return sms;
+  return cached_occupancy(nullptr, 0, [](int device) { return sm_count(device); });
 }
 
 // Whether `device` is sm_90 or newer (clusters, bulk copies); the emulated device's

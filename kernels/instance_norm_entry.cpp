@@ -3,8 +3,9 @@
 //   1. instance_norm(...): the front that Python calls (directly in eager mode, a
 //      METH_FASTCALL function; as the op instance_norm_cuda::instance_norm under
 //      torch.compile). It holds the one validation of user arguments, sends CPU and
-//      float64 inputs to PyTorch's own op, and otherwise calls the ops below through
-//      the dispatcher.
+//      float64 inputs to PyTorch's own op, and otherwise runs the ops below: through
+//      the dispatcher, or in eager calls on plain CUDA tensors by calling their
+//      kernels itself (direct_route).
 //   2. Autograd kernels (DispatchKey Autograd): the forward op's backward node, and
 //      torch::autograd::Function subclasses around the other ops, serving eager mode
 //      and torch.compile alike.
@@ -15,6 +16,8 @@
 //
 // Fake (meta) kernels of the ops, for torch.compile, are registered from solution.py.
 #include <ATen/cuda/EmptyTensor.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -199,11 +202,38 @@ const auto& update_running_stats_op() { return typed_op<UpdateSignature>("instan
 TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias, double eps, const EpilogueArgs& epilogue,
                         instance_norm::ForwardPath path, bool save_stats);
+void attach_backward(const TensorPair& forward_out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias, int64_t activation, double negative_slope,
+                     const std::optional<at::Tensor>& residual);
 
 bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> tensors) {
   for (const std::optional<at::Tensor>* t : tensors)
     if (t->has_value() && (*t)->requires_grad()) return true;
   return false;
+}
+
+// Whether a call of the ops on these tensors, in this thread now, would reach this
+// file's Autograd and CUDA kernels with nothing run in between: every tensor a plain
+// CUDA tensor (no FakeTensor or other Python subclass, no functorch wrapper) and no
+// dispatch mode on (TorchDispatchMode, vmap, functionalization, tracing; autocast
+// falls through these ops). The keys are computed as the dispatcher computes them.
+// Then the eager front and the backward node call the kernels themselves and save the
+// dispatcher's two hops per op (host time, docs/perf-notes.md #135); every other call
+// goes through the dispatcher. The answer, when direct: whether the op's Autograd
+// kernel would run (false under AutoDispatchBelowAutograd or in inference mode).
+std::optional<bool> direct_route(std::initializer_list<const at::Tensor*> tensors,
+                                 std::initializer_list<const std::optional<at::Tensor>*> optional_tensors) {
+  static const c10::DispatchKeySet kDirect{c10::DispatchKey::CUDA, c10::DispatchKey::AutogradCUDA,
+                                           c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCUDA,
+                                           c10::DispatchKey::BackendSelect};
+  c10::DispatchKeySet keys;
+  for (const at::Tensor* t : tensors) keys = keys | t->key_set();
+  for (const std::optional<at::Tensor>* t : optional_tensors)
+    if (t->has_value()) keys = keys | (*t)->key_set();
+  const c10::impl::LocalDispatchKeySet local = c10::impl::tls_local_dispatch_key_set();
+  keys = (keys | local.included_) - local.excluded_;
+  if (!kDirect.isSupersetOf(keys)) return std::nullopt;
+  return keys.has(c10::DispatchKey::AutogradCUDA);
 }
 
 // The activation's code from its front name (None: no activation).
@@ -248,9 +278,10 @@ at::Tensor activation_gradient_aten(const at::Tensor& grad, const at::Tensor& pr
 // epilogue act(y + residual); see solution.instance_norm for the semantics. CUDA
 // float32, float16 and bfloat16 inputs run the kernels (other strides than
 // contiguous and channels-last are copied to contiguous first; the residual to the
-// input's layout); others run PyTorch's ops. `eager`: called on real tensors from
-// Python, not traced, so a forward that needs neither a gradient nor the statistics
-// launches directly, without allocating them.
+// input's layout); others run PyTorch's ops. `eager`: called from Python outside
+// torch.compile's tracing; where direct_route allows, the forward op's work is done
+// here without the dispatcher, and a forward that needs neither a gradient nor the
+// running update allocates no statistics.
 at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& running_mean,
                  const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
                  const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum, double eps,
@@ -287,13 +318,28 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
     return forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps, epilogue.activation,
                                   negative_slope, r);
   }
-  if (eager && !running_mean.has_value() &&
-      !(at::GradMode::is_enabled() && (x.requires_grad() || any_requires_grad({&weight, &bias, &r})))) {
-    return std::get<0>(forward_impl(x, weight, bias, eps, epilogue, instance_norm::ForwardPath::kAuto, false));
+  const std::optional<bool> direct = eager ? direct_route({&x}, {&weight, &bias, &r}) : std::nullopt;
+  TensorPair out;
+  if (direct) {
+    // What the forward op's Autograd and CUDA kernels would do, without their
+    // dispatch (the CUDA kernel below autograd, as there); the statistics only where
+    // the backward or the running update needs them.
+    const bool backward =
+        *direct && at::GradMode::is_enabled() && (x.requires_grad() || any_requires_grad({&weight, &bias, &r}));
+    {
+      RECORD_FUNCTION("instance_norm_cuda::forward", c10::ArrayRef<const c10::IValue>());
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      out = forward_impl(x, weight, bias, eps, epilogue, instance_norm::ForwardPath::kAuto,
+                         backward || running_mean.has_value());
+    }
+    if (backward) attach_backward(out, x, weight, bias, epilogue.activation, negative_slope, r);
+  } else {
+    out = forward_op().call(x, weight, bias, eps, epilogue.activation, negative_slope, r);
   }
-  const auto [y, stats] = forward_op().call(x, weight, bias, eps, epilogue.activation, negative_slope, r);
-  if (running_mean.has_value()) update_running_stats_op().call(*running_mean, *running_var, x, stats, momentum, eps);
-  return y;
+  if (running_mean.has_value()) {
+    update_running_stats_op().call(*running_mean, *running_var, x, std::get<1>(out), momentum, eps);
+  }
+  return std::get<0>(out);
 }
 
 // The op instance_norm_cuda::instance_norm, registered as CompositeImplicitAutograd:
@@ -384,6 +430,27 @@ struct ParameterEdges {
 
 std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                           const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                           const EpilogueArgs& epilogue, instance_norm::BackwardPath path, bool channel_sums);
+
+// The backward op as the backward node calls it: its CUDA kernel itself where the
+// dispatcher would go straight there (direct_route, and grad mode off, as the engine
+// runs a backward without create_graph), else through the dispatcher. grad_residual
+// is undefined or empty where there is none.
+TensorTriple run_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
+                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                          const EpilogueArgs& epilogue, bool channel_sums) {
+  if (!at::GradMode::is_enabled() &&
+      direct_route({&grad_output, &input, &stats}, {&weight, &bias, &epilogue.residual})) {
+    RECORD_FUNCTION("instance_norm_cuda::backward", c10::ArrayRef<const c10::IValue>());
+    return backward_impl(grad_output, input, stats, weight, bias, epilogue, instance_norm::BackwardPath::kAuto,
+                         channel_sums);
+  }
+  return backward_op().call(grad_output, input, stats, weight, bias, epilogue.activation, epilogue.negative_slope,
+                            epilogue.residual, channel_sums);
 }
 
 // The pointer type of autograd nodes in this torch version: std::shared_ptr<Node>
@@ -497,9 +564,9 @@ class InstanceNormBackward : public torch::autograd::Node {
     const at::Tensor grad_output = like_layout(grads[0], saved.input);
     // Without a parameter that needs them (none given, or frozen), the kernel skips
     // the per-channel reductions.
-    auto [grad_input, grad_parameters, grad_residual] = backward_op().call(
+    auto [grad_input, grad_parameters, grad_residual] = run_backward(
         grad_output, saved.input, saved.stats, defined_or_none(saved.weight), defined_or_none(saved.bias),
-        saved.activation, saved.negative_slope, defined_or_none(saved.residual), saved.needs(1) || saved.needs(2));
+        {saved.activation, saved.negative_slope, defined_or_none(saved.residual)}, saved.needs(1) || saved.needs(2));
     if (saved.needs(0)) out[0] = grad_input;
     if (saved.needs(1)) out[1] = grad_parameters[0].to(saved.weight.scalar_type());
     if (saved.needs(2)) out[2] = grad_parameters[1].to(static_cast<at::ScalarType>(saved.bias_dtype));
@@ -517,14 +584,22 @@ TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Ten
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     out = forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
   }
-  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
-    return out;
+  if (at::GradMode::is_enabled() && (input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
+    attach_backward(out, input, weight, bias, activation, negative_slope, residual);
   }
+  return out;
+}
+
+// y's (forward_out's first tensor) backward node: saves what InstanceNormBackward
+// needs from the forward's arguments and its statistics (forward_out's second).
+void attach_backward(const TensorPair& forward_out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias, int64_t activation, double negative_slope,
+                     const std::optional<at::Tensor>& residual) {
   auto node = make_node<InstanceNormBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
   node->input = torch::autograd::SavedVariable(input, false);
   node->weight = torch::autograd::SavedVariable(weight, false);
-  node->stats = torch::autograd::SavedVariable(std::get<1>(out), false);
+  node->stats = torch::autograd::SavedVariable(std::get<1>(forward_out), false);
   if (activation != 0) {
     node->bias = torch::autograd::SavedVariable(bias, false);
     node->residual = torch::autograd::SavedVariable(residual, false);
@@ -532,8 +607,7 @@ TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Ten
   node->activation = activation;
   node->negative_slope = negative_slope;
   if (bias) node->bias_dtype = static_cast<int64_t>(bias->scalar_type());
-  torch::autograd::set_history(std::get<0>(out), node);
-  return out;
+  torch::autograd::set_history(std::get<0>(forward_out), node);
 }
 
 // Autograd of the backward op: a plain backward (grad mode off, as the engine runs
@@ -916,8 +990,9 @@ instance_norm::BackwardPath checked_backward_path(int64_t path) {
 // per-slice sum(g * xhat) and sum(g), g = dy * act'(pre), in a fixed order
 // (bit-identical run to run); without channel_sums (no parameter needs them) it is
 // (2, 0) and the reduction is skipped. grad_residual is g (the input's dtype and
-// layout) with a residual and an activation, else an empty (0) tensor: without an
-// activation the residual's gradient is grad_output itself.
+// layout) with a residual and an activation, else undefined (nothing allocated; the op
+// returns an empty tensor): without an activation the residual's gradient is
+// grad_output itself.
 TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            const EpilogueArgs& epilogue, instance_norm::BackwardPath path, bool channel_sums) {
@@ -926,7 +1001,7 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   const auto [mean, rstd] = stats_rows(stats, input);
   at::Tensor grad_input = dense_like(input);
   const bool activation = epilogue.activation != 0;
-  const at::Tensor grad_residual = activation && epilogue.residual ? dense_like(input) : float_buffer(0, input);
+  const at::Tensor grad_residual = activation && epilogue.residual ? dense_like(input) : at::Tensor();
   const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
   const std::optional<at::Tensor> bias_f32 = activation ? channel_float32(bias, "bias", input) : std::nullopt;
   instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, weight_f32);
@@ -935,7 +1010,7 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   at::Tensor residual;  // kept alive over the launch (see kernel_epilogue)
   problem.epilogue = kernel_epilogue(epilogue, input, residual);
   problem.bias = bias_f32 ? bias_f32->data_ptr<float>() : nullptr;
-  problem.grad_residual = grad_residual.numel() > 0 ? grad_residual.data_ptr() : nullptr;
+  problem.grad_residual = grad_residual.defined() ? grad_residual.data_ptr() : nullptr;
   problem.dx = grad_input.data_ptr();  // before planning: the path may depend on dx's alignment
   const instance_norm::BackwardPlan plan = instance_norm::plan_backward(problem, path);
   TORCH_CHECK(plan.valid(), "backward path ", text(static_cast<int>(path)),
@@ -967,8 +1042,11 @@ TensorTriple backward_cuda(const at::Tensor& grad_output, const at::Tensor& inpu
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            int64_t activation, double negative_slope, const std::optional<at::Tensor>& residual,
                            bool channel_sums) {
-  return backward_impl(grad_output, input, stats, weight, bias, {activation, negative_slope, residual},
-                       instance_norm::BackwardPath::kAuto, channel_sums);
+  auto out = backward_impl(grad_output, input, stats, weight, bias, {activation, negative_slope, residual},
+                           instance_norm::BackwardPath::kAuto, channel_sums);
+  // The schema's third output is a tensor: an empty one where there is no residual's gradient.
+  if (!std::get<2>(out).defined()) std::get<2>(out) = float_buffer(0, input);
+  return out;
 }
 
 // ---------------------------------------------------------------------------
@@ -1122,7 +1200,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("path") = 0, py::arg("save_stats") = true, py::arg("activation") = py::none(),
         py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
   m.def("backward", &backward_test,
-        "backward on a forced path: (grad_input, grad_weight, grad_bias, grad_residual)", py::arg("grad_output"),
+        "backward on a forced path: (grad_input, grad_weight, grad_bias, grad_residual); grad_residual is None "
+        "without a residual and an activation",
+        py::arg("grad_output"),
         py::arg("input"), py::arg("stats"), py::arg("weight") = py::none(), py::arg("path") = 0,
         py::arg("channel_sums") = true, py::arg("bias") = py::none(), py::arg("activation") = py::none(),
         py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());

@@ -69,6 +69,21 @@ def test_eval_traces_to_forward_eval_and_other_strides_to_a_copy(solution):
     assert "aten.clone.default" in ops, ops
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_eager_calls_on_fake_tensors_reach_the_fake_kernels(solution, grad):
+    """An eager call (no torch.compile) under FakeTensorMode goes through the
+    dispatcher to the ops' fake kernels: the front calls the CUDA kernels itself only
+    for plain CUDA tensors with no dispatch mode on. (The backward of fake CUDA
+    tensors needs a GPU for the autograd engine; torch.compile's GPU tests trace it.)"""
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 8, 8, device="cuda").to(memory_format=torch.channels_last)
+        weight = torch.empty(3, device="cuda", requires_grad=True)
+        with torch.set_grad_enabled(grad):
+            y = solution.instance_norm(x, weight=weight, activation="relu")
+        assert y.shape == x.shape and y.stride() == x.stride() and y.device.type == "cuda"
+        assert (y.grad_fn is not None) == grad
+
+
 def test_errors_are_raised_while_tracing(solution):
     x, weight = fake_cuda(((2, 3, 8, 8), torch.contiguous_format), ((4,), torch.contiguous_format))
     with pytest.raises(ValueError, match="weight must have C = 3 elements, got 4"):
