@@ -42,7 +42,8 @@ amplify rounding, so fp32 gradients are themselves far from float64's
 The host section times one layer per call on the host (a loop of calls, timed before
 the final synchronize), ours against PyTorch's: forward alone (--host-calls calls in
 one no_grad), and forward + backward per layer of a chain of CHAIN layers under one
-torch.autograd.grad. --profile splits one layer's host time into its pieces.
+torch.autograd.grad; ours and PyTorch's take HOST_ROUNDS turns each and a row gives
+its medians. --profile splits one layer's host time into its pieces.
 Needs a CUDA GPU; exits with status 2 without one.
 """
 import argparse
@@ -304,30 +305,44 @@ def host_us(fn, calls):
 
 # One layer of each 2d net: (shape, affine).
 HOST_LAYERS = (((1, 256, 64, 64), False), ((4, 128, 64, 64), True))
+# Turns of ours and PyTorch's in host_rows: the host's speed drifts by up to 1.8x
+# between runs minutes apart (docs/perf-notes.md #135), so the two alternate and a
+# row is the median of its turns.
+HOST_ROUNDS = 5
 # Forward + backward is timed through a chain of this many layers and one
 # torch.autograd.grad, as in a network (the engine's fixed cost per call, about
 # 100 us on the H200 machine, is shared by the chain), and reported per layer.
 CHAIN = 16
 
 
-def host_rows(calls):
+def host_rows(calls, rounds=HOST_ROUNDS):
+    """Per HOST_LAYERS entry, ours and PyTorch's: host and wall us of a forward call
+    and of forward + backward per layer of a chain of CHAIN, each the median of
+    `rounds` turns, the two norms' turns alternating."""
     import solution
     rows = []
     for shape, affine in HOST_LAYERS:
         torch.manual_seed(3)
         x = torch.randn(shape, device="cuda", requires_grad=True)
         dy = torch.randn(shape, device="cuda")
-        for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d)):
-            chain = nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
-            inputs = (x, *chain.parameters())
-            # One no_grad around the loop, as an inference loop has it: entering
-            # torch.no_grad() costs microseconds of its own per call.
-            with torch.no_grad():
-                forward_host, forward_wall = host_us(lambda: chain[0](x), calls)
-            both_host, both_wall = host_us(lambda: torch.autograd.grad(chain(x), inputs, dy), max(calls // CHAIN, 10))
+        chains = {name: nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
+                  for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d))}
+        turns = {name: {"forward": [], "both": []} for name in chains}
+        for _ in range(rounds):
+            for name, chain in chains.items():
+                inputs = (x, *chain.parameters())
+                # One no_grad around the loop, as an inference loop has it: entering
+                # torch.no_grad() costs microseconds of its own per call.
+                with torch.no_grad():
+                    turns[name]["forward"].append(host_us(lambda: chain[0](x), calls))
+                turns[name]["both"].append(
+                    host_us(lambda: torch.autograd.grad(chain(x), inputs, dy), max(calls // CHAIN, 10)))
+        for name, times in turns.items():
+            forward_host, forward_wall = (statistics.median(t) for t in zip(*times["forward"]))
+            both_host, both_wall = (statistics.median(t) / CHAIN for t in zip(*times["both"]))
             rows.append({"shape": list(shape), "affine": affine, "norm": name, "forward_host_us": forward_host,
-                         "forward_wall_us": forward_wall, "forward_backward_host_us": both_host / CHAIN,
-                         "forward_backward_wall_us": both_wall / CHAIN})
+                         "forward_wall_us": forward_wall, "forward_backward_host_us": both_host,
+                         "forward_backward_wall_us": both_wall})
     return rows
 
 
