@@ -212,6 +212,13 @@ bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> t
   return false;
 }
 
+// Whether a forward (or eval forward) on these arguments records a backward: grad
+// mode on and one of them requires a gradient.
+bool records_backward(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  return at::GradMode::is_enabled() && (input.requires_grad() || any_requires_grad({&weight, &bias, &residual}));
+}
+
 // Whether a call of the ops on these tensors, in this thread now, would reach this
 // file's Autograd and CUDA kernels with nothing run in between: every tensor a plain
 // CUDA tensor (no FakeTensor or other Python subclass, no functorch wrapper) and no
@@ -324,8 +331,7 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
     // What the forward op's Autograd and CUDA kernels would do, without their
     // dispatch (the CUDA kernel below autograd, as there); the statistics only where
     // the backward or the running update needs them.
-    const bool backward =
-        *direct && at::GradMode::is_enabled() && (x.requires_grad() || any_requires_grad({&weight, &bias, &r}));
+    const bool backward = *direct && records_backward(x, weight, bias, r);
     {
       RECORD_FUNCTION("instance_norm_cuda::forward", c10::ArrayRef<const c10::IValue>());
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -584,7 +590,7 @@ TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Ten
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     out = forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
   }
-  if (at::GradMode::is_enabled() && (input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
+  if (records_backward(input, weight, bias, residual)) {
     attach_backward(out, input, weight, bias, activation, negative_slope, residual);
   }
   return out;
@@ -711,7 +717,7 @@ at::Tensor forward_eval_autograd(const at::Tensor& input, const at::Tensor& runn
                                  const at::Tensor& running_var, const std::optional<at::Tensor>& weight,
                                  const std::optional<at::Tensor>& bias, double eps, int64_t activation,
                                  double negative_slope, const std::optional<at::Tensor>& residual) {
-  if (!at::GradMode::is_enabled() || !(input.requires_grad() || any_requires_grad({&weight, &bias, &residual}))) {
+  if (!records_backward(input, weight, bias, residual)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward_eval_op().call(input, running_mean, running_var, weight, bias, eps, activation, negative_slope,
                                   residual);
