@@ -533,14 +533,12 @@ constexpr ResidentVariant<ForwardProblem> kResidentVariants[] = {
 // The resident variant of p's dtype and epilogue.
 const ResidentVariant<ForwardProblem>& resident_variant_for(const ForwardProblem& p) {
   if (!p.epilogue.active()) return variant_for(kResidentVariants<true>, p.dtype);
-  switch (p.epilogue.activation) {
-    case Activation::kRelu: return variant_for(kResidentVariants<false, Activation::kRelu>, p.dtype);
-    case Activation::kLeakyRelu: return variant_for(kResidentVariants<false, Activation::kLeakyRelu>, p.dtype);
-    case Activation::kSilu: return variant_for(kResidentVariants<false, Activation::kSilu>, p.dtype);
-    case Activation::kGelu: return variant_for(kResidentVariants<false, Activation::kGelu>, p.dtype);
-    case Activation::kGeluTanh: return variant_for(kResidentVariants<false, Activation::kGeluTanh>, p.dtype);
-    default: return variant_for(kResidentVariants<false>, p.dtype);
-  }
+  const ResidentVariant<ForwardProblem>* variant = &variant_for(kResidentVariants<false>, p.dtype);
+  dispatch_activation(p.epilogue.activation, [&](auto activation) {
+    variant = &variant_for(kResidentVariants<false, decltype(activation)::value>, p.dtype);
+    return cudaSuccess;
+  });
+  return *variant;
 }
 
 bool resident_supported(TeamKind team, const ForwardProblem& p) {
