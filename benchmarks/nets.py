@@ -1,7 +1,7 @@
 """Training steps of real networks with this project's InstanceNorm, PyTorch's, and none.
 
     python benchmarks/nets.py [--nets transformer,cyclegan,unet3d] [--modes fp32,bf16,compile]
-                              [--steps 10] [--rounds 3] [--warmup 3] [--host-calls 100] [--no-host] [--json PATH]
+                              [--steps 10] [--rounds 3] [--warmup 3] [--host-calls 100] [--no-host | --host-only] [--json PATH]
     python benchmarks/nets.py --profile
     python benchmarks/nets.py --kernels [--nets ...] [--modes ...]
 
@@ -43,7 +43,9 @@ The host section times one layer per call on the host (a loop of calls, timed be
 the final synchronize), ours against PyTorch's: forward alone (--host-calls calls in
 one no_grad), and forward + backward per layer of a chain of CHAIN layers under one
 torch.autograd.grad; ours and PyTorch's take HOST_ROUNDS turns each and a row gives
-its medians. --profile splits one layer's host time into its pieces.
+its medians; a chain of NegLayer (one torch.neg each way, the cheapest layer with a
+backward) takes turns with them as the yardstick. --host-only runs that section alone;
+--profile splits one layer's host time into its pieces.
 Needs a CUDA GPU; exits with status 2 without one.
 """
 import argparse
@@ -315,10 +317,21 @@ HOST_ROUNDS = 5
 CHAIN = 16
 
 
+class NegLayer(nn.Module):
+    """The cheapest layer with a backward, a host-time yardstick: one ATen op
+    (torch.neg) each way, nothing saved, no parameters; built as the norms are."""
+
+    def __init__(self, num_features, affine):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.neg(x)
+
+
 def host_rows(calls, rounds=HOST_ROUNDS):
-    """Per HOST_LAYERS entry, ours and PyTorch's: host and wall us of a forward call
-    and of forward + backward per layer of a chain of CHAIN, each the median of
-    `rounds` turns, the two norms' turns alternating."""
+    """Per HOST_LAYERS entry, ours, PyTorch's and NegLayer's: host and wall us of a
+    forward call and of forward + backward per layer of a chain of CHAIN, each the
+    median of `rounds` turns, the three layers' turns alternating."""
     import solution
     rows = []
     for shape, affine in HOST_LAYERS:
@@ -326,7 +339,8 @@ def host_rows(calls, rounds=HOST_ROUNDS):
         x = torch.randn(shape, device="cuda", requires_grad=True)
         dy = torch.randn(shape, device="cuda")
         chains = {name: nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
-                  for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d))}
+                  for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d),
+                                    ("neg", NegLayer))}
         turns = {name: {"forward": [], "both": []} for name in chains}
         for _ in range(rounds):
             for name, chain in chains.items():
@@ -442,12 +456,15 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compile included)")
     parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
+    parser.add_argument("--host-only", action="store_true", help="only the per-layer host times")
     parser.add_argument("--profile", action="store_true", help="only print the host time of the pieces of one layer and the profiler's table of a chain of layers")
     parser.add_argument("--kernels", action="store_true", help="only print the profiler's GPU kernel table of a few steps of each net in each mode, PyTorch's norms and ours")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     nets, modes = args.nets.split(","), args.modes.split(",")
     unknown = sorted(set(nets) - set(NETS)) + sorted(set(modes) - set(MODES))
+    if args.host_only and args.no_host:
+        parser.error("--host-only and --no-host exclude each other")
     if unknown:
         parser.error(f"unknown nets or modes: {', '.join(unknown)}")
     if not torch.cuda.is_available():
@@ -468,6 +485,8 @@ def main():
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                "checks": {}, "steps": [], "host": []}
     failed = False
+    if args.host_only:
+        nets = []
     for net in nets:
         errors = check_against_pytorch(net)
         ok = accurate_as_pytorch(errors)
@@ -476,8 +495,9 @@ def main():
         print(f"check {net}, {count_norms(build(net, 'ours'))} norms, fp32 against the float64 net: " + "; ".join(
             f"{variant} output {out:.2e}, worst gradient {grad:.2e} ({name})"
             for variant, (out, grad, name) in errors.items()) + f" ({'ok' if ok else 'FAILED'})", flush=True)
-    print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'fused':>9} {'identity':>9}  "
-          f"norm cost / pytorch's: ours, fused (median step ms)")
+    if nets:
+        print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'fused':>9} {'identity':>9}  "
+              f"norm cost / pytorch's: ours, fused (median step ms)")
     for net in nets:
         for mode in modes:
             medians = time_net(net, mode, args.steps, args.rounds, args.warmup)
@@ -490,11 +510,18 @@ def main():
             torch._dynamo.reset()
     if not args.no_host:
         print(f"\nhost us per call (wall) {'':<22} forward          forward+backward per layer of {CHAIN}")
-        for row in host_rows(args.host_calls):
+        rows = host_rows(args.host_calls)
+        for row in rows:
             results["host"].append(row)
             print(f"{str(tuple(row['shape'])):<18} affine={row['affine']!s:<5} {row['norm']:<8} "
                   f"{row['forward_host_us']:6.1f} ({row['forward_wall_us']:6.1f})  "
                   f"{row['forward_backward_host_us']:6.1f} ({row['forward_backward_wall_us']:6.1f})")
+        for shape, affine in HOST_LAYERS:
+            host = {row["norm"]: row for row in rows if tuple(row["shape"]) == shape and row["affine"] == affine}
+            print(f"{str(shape):<18} affine={affine!s:<5} host time over PyTorch's, forward / forward+backward: " +
+                  ", ".join(f"{name} {host[name]['forward_host_us'] / host['pytorch']['forward_host_us']:.2f} / "
+                            f"{host[name]['forward_backward_host_us'] / host['pytorch']['forward_backward_host_us']:.2f}"
+                            for name in ("ours", "neg")))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
