@@ -206,6 +206,14 @@ __host__ __device__ constexpr auto round_up(A a, B b) -> decltype(a + b) {
   return ceil_div(a, b) * b;
 }
 
+// How many of a thread's `most` strided items exist: items first + i * STRIDE, for i
+// below the result, lie below `count` (0 where first >= count), in the integer type of
+// count and first. The resident forward writes the same expression out (see there).
+template <int STRIDE, typename I>
+__device__ __forceinline__ I valid_count(I count, I first, int most) {
+  return min(I{most}, max(I{0}, (count - first + STRIDE - 1) / STRIDE));
+}
+
 // An L2 eviction policy that keeps lines (evict_last), for a first read whose
 // second should find them in L2.
 __device__ __forceinline__ uint64_t l2_evict_last_policy() {

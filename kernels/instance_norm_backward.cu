@@ -548,7 +548,7 @@ __device__ __forceinline__ void backward_resident(const BackwardProblem& p, cons
   const int num_vecs = spatial / kPer;
   const int cta_first = team.rank() * kCtaVecs;
   const int first = cta_first + threadIdx.x;
-  const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));
+  const int valid = valid_count<THREADS>(num_vecs, first, kVecs);
 
   // Thread 0: the CTA's x of `slice` into staged[0, kCtaVecs).
   const unsigned x_bytes = 16u * static_cast<unsigned>(min(kCtaVecs, max(0, num_vecs - cta_first)));
@@ -770,7 +770,7 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backwar
 
   const int slice_vecs = static_cast<int>(p.spatial) / kPer;
   const int tid = static_cast<int>(threadIdx.x);
-  const int valid = min(kVecs, max(0, (slice_vecs - tid + THREADS - 1) / THREADS));
+  const int valid = valid_count<THREADS>(slice_vecs, tid, kVecs);
   const float inv_spatial = 1.f / static_cast<float>(p.spatial);
   for (int64_t slice = blockIdx.x; slice < p.num_slices(); slice += gridDim.x) {
     const int64_t first = slice * slice_vecs + tid;

@@ -390,7 +390,9 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
   const int64_t num_teams = team.count();
   const int64_t num_slices = p.num_slices();
 
-  // This thread's vectors of a slice are first + i * THREADS for i < valid.
+  // This thread's vectors of a slice are first + i * THREADS for i < valid. valid_count's
+  // expression written out: through the helper the compiler orders these kernels' code
+  // differently, and the 16-bit kernels ran slower (docs/perf-notes.md #138).
   const int num_vecs = spatial / kPer;
   const int first = team.rank() * kCtaVecs + threadIdx.x;
   const int valid = min(kVecs, max(0, (num_vecs - first + THREADS - 1) / THREADS));

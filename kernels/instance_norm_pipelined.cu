@@ -175,7 +175,7 @@ __device__ __forceinline__ void data_rounds(const ForwardProblem& p, const Pipel
   const int spatial = static_cast<int>(p.spatial);
   const int num_vecs = spatial / kPer;
   const int first = team.rank * kSlotVecs + threadIdx.x;
-  const int valid = min(kVectors, max(0, (num_vecs - first + kDataThreads - 1) / kDataThreads));
+  const int valid = valid_count<kDataThreads>(num_vecs, first, kVectors);
   const int64_t rounds = team.rounds;
   // The thread's column of round j's slice in x (j < rounds), and that slice's first value.
   const auto source = [&](int64_t j) {

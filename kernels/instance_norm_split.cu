@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads)
     SharedCountStats<1> stats = SharedCountStats<1>::empty();
     for (int64_t round = begin; round < end; round += kRoundUnits) {
       const int64_t first = round + threadIdx.x;
-      const int count = static_cast<int>(min(int64_t{kLoads}, max(int64_t{0}, (end - first + kThreads - 1) / kThreads)));
+      const int count = static_cast<int>(valid_count<kThreads>(end, first, kLoads));
       UnitBits<T, V> bits[kLoads];
       load_round<T, V>(slice_x, first * V, int64_t{kThreads} * V, count, bits);
       stats.merge(round_stats<T, V, 1>(bits, count, shift));
