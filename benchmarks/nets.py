@@ -427,7 +427,8 @@ def host_breakdown(calls):
         for path in range(1, ext.num_forward_paths):
             if ext.path_supported(x, path):
                 rows.append((f"ours: forward path {path}", host_us(lambda: ext.forward(x, path=path), calls)))
-    rows += [("grad mode: ours module", host_us(lambda: ours(xg), calls)),
+    rows += [("grad mode: torch.neg", host_us(lambda: torch.neg(xg), calls)),
+             ("grad mode: ours module", host_us(lambda: ours(xg), calls)),
              ("grad mode: ours front", host_us(lambda: ext.instance_norm(xg, *front), calls)),
              ("grad mode: ours op forward", host_us(lambda: op.forward(xg, None, None, 1e-5, 0, 0.01, None), calls)),
              ("grad mode: pytorch module", host_us(lambda: theirs(xg), calls))]
