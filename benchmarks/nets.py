@@ -362,21 +362,22 @@ def host_rows(calls, rounds=HOST_ROUNDS):
 
 def profile_layer(calls):
     """The profiler's CPU table (self time) of `calls` forward + backward calls of a
-    chain of CHAIN layers (the first host layer), ours and PyTorch's: where the host
-    time goes."""
+    chain of CHAIN layers of each HOST_LAYERS entry, ours, PyTorch's and NegLayer's:
+    where the host time goes."""
     import solution
-    shape, affine = HOST_LAYERS[0]
-    x = torch.randn(shape, device="cuda", requires_grad=True)
-    dy = torch.randn(shape, device="cuda")
-    for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d)):
-        chain = nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
-        host_us(lambda: torch.autograd.grad(chain(x), x, dy), 10)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            for _ in range(calls):
-                torch.autograd.grad(chain(x), x, dy)
-            torch.cuda.synchronize()
-        print(f"\n{name}: {shape}, affine={affine}, {calls} forward + backward calls of a chain of {CHAIN}")
-        print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    for shape, affine in HOST_LAYERS:
+        x = torch.randn(shape, device="cuda", requires_grad=True)
+        dy = torch.randn(shape, device="cuda")
+        for name, cls in (("ours", solution.InstanceNorm2d), ("pytorch", nn.InstanceNorm2d), ("neg", NegLayer)):
+            chain = nn.Sequential(*[cls(shape[1], affine=affine) for _ in range(CHAIN)]).cuda()
+            inputs = (x, *chain.parameters())
+            host_us(lambda: torch.autograd.grad(chain(x), inputs, dy), 10)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                for _ in range(calls):
+                    torch.autograd.grad(chain(x), inputs, dy)
+                torch.cuda.synchronize()
+            print(f"\n{name}: {shape}, affine={affine}, {calls} forward + backward calls of a chain of {CHAIN}")
+            print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def kernel_tables(nets, mode, steps=3):
