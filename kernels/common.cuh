@@ -990,6 +990,22 @@ inline int emulated_ctas_per_sm(const void* kernel, int threads, int shared_byte
                    emulated.device.threads_per_sm / threads});
 }
 
+// Raises `kernel`'s dynamic shared-memory limit to the most `device` allows beside
+// its static shared memory, as a launch with more than 48 KB needs; false where a
+// query fails or `shared_bytes` is above that limit. The limit is the most, not
+// `shared_bytes`, so a kernel launched with several sizes keeps room for the largest.
+inline bool raise_dynamic_shared_limit(const void* kernel, int device, int shared_bytes) {
+  int optin = 0;
+  cudaFuncAttributes attributes;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    return false;
+  }
+  const int dynamic_limit = optin - static_cast<int>(attributes.sharedSizeBytes);
+  return shared_bytes <= dynamic_limit &&
+         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_limit) == cudaSuccess;
+}
+
 // How many CTAs of `kernel` (threads, dynamic shared bytes) one SM of the current
 // device holds at once; 0 where a CTA cannot have that much shared memory. Raises
 // the kernel's dynamic shared-memory limit to the most the device allows beside its
@@ -998,15 +1014,8 @@ inline int emulated_ctas_per_sm(const void* kernel, int threads, int shared_byte
 // as it is for the block path's kernels, one query per slice size.
 inline int ctas_per_sm(const void* kernel, int threads, int shared_bytes) {
   return cached_occupancy(kernel, shared_bytes, [&](int device) {
-    int optin = 0, per_sm = 0;
-    cudaFuncAttributes attributes;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
-      return 0;
-    }
-    const int dynamic_limit = optin - static_cast<int>(attributes.sharedSizeBytes);
-    if (shared_bytes > dynamic_limit ||
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_limit) != cudaSuccess ||
+    int per_sm = 0;
+    if (!raise_dynamic_shared_limit(kernel, device, shared_bytes) ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes) != cudaSuccess) {
       per_sm = 0;
     }
@@ -1038,14 +1047,16 @@ inline bool is_sm90_or_newer(int device) {
 // How many clusters of `cluster_size` CTAs of `kernel` (threads, dynamic shared
 // bytes) can be resident at once on the current device: 0 on pre-Hopper GPUs, or
 // where a GPC is too small (some MIG partitions). Sets the kernel's non-portable
-// cluster size and shared-memory attributes the launch needs. Cached.
+// cluster size and shared-memory attributes the launch needs. Cached per (kernel,
+// cluster size, shared bytes): a negative tag, apart from ctas_per_sm's.
 inline int max_active_clusters(const void* kernel, int threads, int shared_bytes, int cluster_size) {
-  return cached_occupancy(kernel, cluster_size, [&](int device) {
+  static_assert(kMaxClusterSize < 32, "the cache tag packs the cluster size into 5 bits");
+  return cached_occupancy(kernel, -(shared_bytes * 32 + cluster_size), [&](int device) {
     int max_clusters = 0;
     if (is_sm90_or_newer(device) &&
         (cluster_size <= 8 ||
          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes) == cudaSuccess) {
+        raise_dynamic_shared_limit(kernel, device, shared_bytes)) {
       cudaLaunchAttribute attribute;
       const cudaLaunchConfig_t config =
           cluster_launch_config(cluster_size, threads, shared_bytes, cluster_size, nullptr, &attribute);

@@ -352,6 +352,194 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
   }
 }
 
+// Cluster path, channels-last (sm_90+): a thread-block cluster of `ranks` CTAs per
+// image n; CTA rank r holds positions [r * chunk, (r + 1) * chunk) of the image with
+// all C channels (chunk = ceil(spatial / ranks)), one contiguous piece of x read once
+// into shared memory by 16-byte cp.async copies in order, coalesced as a copy's
+// reads. A position is pv = C / kPer 16-byte vectors; thread t < rows * pv (rows =
+// THREADS / pv positions per step) takes vector column t % pv, the same kPer channels
+// at every position it visits (t / pv + rows * j); the other threads only copy.
+// Statistics per channel of d = (x - shift) * k (SliceShift of the image's value at
+// position 0), as on the other paths: each thread's sums of d and d^2, totalled over
+// the CTA's rows in row order through shared memory, then over the cluster's ranks in
+// rank order through DSMEM, so every CTA of the cluster has the same bits and takes
+// the same branches. M2 = S2 - S1 * mean_d where shifted_sums_m2_is_accurate for
+// every channel of the image, else a sweep for the M2 about the mean (as the block
+// paths). y = (x - shift) * scale + offset per channel, written in the order it was
+// read. Needs num_channels a multiple of the vector with pv <= THREADS, 16-byte
+// aligned x and y, and channels_last_cluster_bytes of dynamic shared memory.
+template <int THREADS>
+struct ChannelsLastCluster {
+  // Dynamic shared memory, in this order: the chunk (chunk * pv 16-byte vectors), the
+  // per-thread sums [rows][C], then per channel the CTA's sums of d and d^2 (float2,
+  // read by the other ranks), the CTA's M2 about the mean (likewise), and mean_d, M2,
+  // shift, scale and offset of the image.
+  static constexpr int kChannelFloats = 2 + 1 + 5;
+  __host__ __device__ static int64_t bytes(int64_t spatial, int64_t channels, int per_vector, int ranks) {
+    const int64_t vectors_per_position = channels / per_vector;
+    const int64_t rows = THREADS / vectors_per_position;
+    return ceil_div(spatial, int64_t{ranks}) * vectors_per_position * 16 +
+           (rows * channels + kChannelFloats * channels) * int64_t{sizeof(float)};
+  }
+  // write(c, total) for each channel c < channels this thread is given (c =
+  // threadIdx.x + THREADS * j), total = the sum over the CTA's rows, in row order, of
+  // values[c % PER] of the threads of column c / PER. Active thread t's values go to
+  // thread_sums[t * PER + k] = [row][column * PER + k]. Returns with thread_sums free
+  // again.
+  template <int PER, typename Write>
+  __device__ __forceinline__ static void totals(float* thread_sums, int channels, int rows, bool active,
+                                                const float (&values)[PER], Write write) {
+    if (active) {
+#pragma unroll
+      for (int k = 0; k < PER; ++k) thread_sums[threadIdx.x * PER + k] = values[k];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < channels; c += THREADS) {
+      float total = 0.f;
+      for (int row = 0; row < rows; ++row) total += thread_sums[row * channels + c];
+      write(c, total);
+    }
+    __syncthreads();
+  }
+};
+
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS, 2) forward_channels_last_cluster_kernel(const ForwardProblem p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = Storage<T>;
+  constexpr int kPer = S::kPerVector;
+  using Columns = ChannelsLastCluster<THREADS>;
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t n = blockIdx.x / ranks;
+  const int channels = static_cast<int>(p.num_channels);
+  const int spatial = static_cast<int>(p.spatial);
+  const int pv = channels / kPer;  // 16-byte vectors per position
+  const int rows = THREADS / pv;
+  const int active_threads = rows * pv;
+  const int chunk = ceil_div(spatial, ranks);
+  const int first_position = min(spatial, rank * chunk);
+  const int vectors = (min(spatial, first_position + chunk) - first_position) * pv;
+
+  extern __shared__ uint4 chunk_vectors[];
+  float* const thread_sums = reinterpret_cast<float*>(chunk_vectors + chunk * pv);  // [rows][channels]
+  float2* const cta_sums = reinterpret_cast<float2*>(thread_sums + rows * channels);
+  float* const cta_m2 = reinterpret_cast<float*>(cta_sums + channels);
+  float* const image_mean_d = cta_m2 + channels;
+  float* const image_m2 = image_mean_d + channels;
+  float* const shift_values = image_m2 + channels;
+  float* const scales = shift_values + channels;
+  float* const offsets = scales + channels;
+
+  const uint4* const image_x = static_cast<const uint4*>(p.x) + n * spatial * pv;
+  const uint4* const chunk_x = image_x + first_position * pv;
+  uint4* const chunk_y = static_cast<uint4*>(p.y) + n * spatial * pv + first_position * pv;
+  const unsigned chunk_base = static_cast<unsigned>(__cvta_generic_to_shared(chunk_vectors));
+  for (int v = threadIdx.x; v < vectors; v += THREADS) cp_async_16<0>(chunk_base + 16u * v, chunk_x + v);
+
+  const int column = static_cast<int>(threadIdx.x) % pv;
+  const bool active = static_cast<int>(threadIdx.x) < active_threads;
+  SliceShift shift[kPer];
+  {
+    float first[kPer];
+    S::unpack(__ldg(image_x + column), first);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) shift[k] = SliceShift::of(first[k]);
+  }
+  // f(v, values) for each of this thread's vectors v of the chunk, unpacked.
+  const auto for_each_vector = [&](auto f) {
+    if (!active) return;
+    for (int v = threadIdx.x; v < vectors; v += active_threads) {
+      float values[kPer];
+      S::unpack(chunk_vectors[v], values);
+      f(v, values);
+    }
+  };
+  cp_async_wait_all();
+  __syncthreads();
+
+  float sum_d[kPer] = {};
+  float sum_d2[kPer] = {};
+  for_each_vector([&](int, const float(&values)[kPer]) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const float d = shift[k].apply(values[k]);
+      sum_d[k] += d;
+      sum_d2[k] = __fmaf_rn(d, d, sum_d2[k]);
+    }
+  });
+  Columns::totals(thread_sums, channels, rows, active, sum_d, [&](int c, float total) { cta_sums[c].x = total; });
+  Columns::totals(thread_sums, channels, rows, active, sum_d2, [&](int c, float total) { cta_sums[c].y = total; });
+  cluster.sync();  // every rank's sums are published
+  const float count = static_cast<float>(spatial);
+  int inaccurate = 0;  // channels of this thread that fail the test
+  for (int c = threadIdx.x; c < channels; c += THREADS) {
+    float2 total = make_float2(0.f, 0.f);
+    for (int r = 0; r < ranks; ++r) {
+      const float2 part = *cluster.map_shared_rank(cta_sums + c, r);
+      total.x += part.x;
+      total.y += part.y;
+    }
+    image_mean_d[c] = total.x / count;
+    image_m2[c] = total.y - total.x * (total.x / count);
+    inaccurate += !shifted_sums_m2_is_accurate(image_mean_d[c], image_m2[c], count);
+  }
+  // This CTA has read the other ranks' sums; the matching wait, before the CTA exits
+  // or rewrites what they read, lets no rank leave while another still reads it.
+  cluster.barrier_arrive();
+  if (__syncthreads_or(inaccurate)) {  // the same totals, so the same branch, on every rank
+    cluster.barrier_wait();
+    float m2[kPer] = {};
+    for_each_vector([&](int, const float(&values)[kPer]) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const float deviation = shift[k].apply(values[k]) - image_mean_d[column * kPer + k];
+        m2[k] += deviation * deviation;
+      }
+    });
+    Columns::totals(thread_sums, channels, rows, active, m2, [&](int c, float total) { cta_m2[c] = total; });
+    cluster.sync();
+    for (int c = threadIdx.x; c < channels; c += THREADS) {
+      float total = 0.f;
+      for (int r = 0; r < ranks; ++r) total += *cluster.map_shared_rank(cta_m2 + c, r);
+      image_m2[c] = total;
+    }
+    cluster.barrier_arrive();
+  }
+  // y = d * scale_d + offset per channel, computed as (x - shift) * (k * scale_d) +
+  // offset, as on the channels-last block path.
+  for (int c = threadIdx.x; c < channels; c += THREADS) {
+    const SliceShift channel_shift = SliceShift::of(S::to_float(reinterpret_cast<const T*>(image_x)[c]));
+    const float rstd = channel_shift.rstd_of_d(image_m2[c], count, p.eps);
+    const int64_t slice = n * channels + c;
+    if (rank == 0) save_slice_stats(p, slice, channel_shift.mean(image_mean_d[c]), channel_shift.rstd(rstd));
+    const float2 affine = slice_affine(p, slice);
+    const float scale_d = rstd * affine.x;
+    offsets[c] = affine.y - image_mean_d[c] * scale_d;
+    scales[c] = scale_d * channel_shift.scale;
+    shift_values[c] = channel_shift.value();
+  }
+  __syncthreads();
+  float shift_value[kPer], scale[kPer], offset[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int c = active ? column * kPer + k : 0;
+    shift_value[k] = shift_values[c];
+    scale[k] = scales[c];
+    offset[k] = offsets[c];
+  }
+  for_each_vector([&](int v, const float(&values)[kPer]) {
+    float out[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(values[k] - shift_value[k], scale[k], offset[k]);
+    apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(chunk_y + v), out);
+    store_streaming(chunk_y + v, S::pack(out));
+  });
+  cluster.barrier_wait();
+#endif
+}
+
 // Resident paths, persistent: kCluster (a thread-block cluster per slice, sm_90+)
 // and kCooperative (a team of CTAs of a cooperative launch, any size up to the
 // resident CTAs; common.cuh, teams). The grid holds as many teams of
@@ -655,9 +843,50 @@ ForwardPlan block_plan(const ForwardProblem& p) {
   return plan;
 }
 
-// The cluster or cooperative path, where resident_supported.
+// The channels-last cluster kernel's CTA size (two CTAs per SM where their chunks
+// leave room: 64 registers); positions of up to 512 16-byte vectors (2,048 fp32 or
+// 4,096 16-bit channels).
+constexpr int kChannelsLastClusterThreads = 512;
+using ChannelsLastClusterShared = ChannelsLastCluster<kChannelsLastClusterThreads>;
+
+// The channels-last cluster path, where the input is whole vectors of channels at
+// aligned x and y (block_input_supported), a position has at most
+// kChannelsLastClusterThreads vectors, and an image fits a cluster of
+// kChannelsLastClusterSizes[0] or [1] CTAs (on an H200 up to about 1.7 or 3.4 MB);
+// one cluster per image, of the smaller size that fits.
+ForwardPlan channels_last_cluster_plan(const ForwardProblem& p) {
+  ForwardPlan plan{};
+  const int per_vector = values_per_vector(p.dtype);
+  if (!block_input_supported(p) || p.num_channels / per_vector > kChannelsLastClusterThreads) return plan;
+  Kernel kernel = nullptr;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    kernel = forward_channels_last_cluster_kernel<decltype(tag), kChannelsLastClusterThreads>;
+    return cudaSuccess;
+  });
+  for (const int ranks : kChannelsLastClusterSizes) {
+    const int64_t bytes = ChannelsLastClusterShared::bytes(p.spatial, p.num_channels, per_vector, ranks);
+    if (bytes > kBlockMaxBytes) continue;
+    const int shared_bytes = static_cast<int>(bytes);
+    if (ctas_per_sm(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes) < 1 ||
+        max_active_clusters(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes,
+                            ranks) < 1) {
+      continue;
+    }
+    plan.path = ForwardPath::kCluster;
+    plan.team_size = ranks;
+    plan.teams = p.batch;
+    plan.launch = {LaunchKind::kCluster, kernel, static_cast<unsigned>(p.batch * ranks),
+                   kChannelsLastClusterThreads, shared_bytes, ranks, 0};
+    break;
+  }
+  return plan;
+}
+
+// The cluster or cooperative path, where resident_supported; channels-last input
+// takes channels_last_cluster_plan's cluster path.
 ForwardPlan resident_plan(TeamKind team, const ForwardProblem& p) {
   ForwardPlan plan{};
+  if (p.layout == Layout::kChannelsLast) return team == TeamKind::kCluster ? channels_last_cluster_plan(p) : plan;
   if (!resident_supported(team, p)) return plan;
   const ResidentVariant<ForwardProblem>& variant = resident_variant_for(p);
   if (team == TeamKind::kCluster) {
@@ -727,7 +956,9 @@ static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest varian
 ForwardPlan chosen_plan(const ForwardProblem& p) {
   if (p.layout != Layout::kContiguous) {
     const ForwardPlan block = block_plan(p);
-    return block_preferred(p, block) ? block : split_plan(p);
+    if (block_preferred(p, block)) return block;
+    const ForwardPlan cluster = channels_last_cluster_plan(p);
+    return cluster.valid() ? cluster : split_plan(p);
   }
   if (p.spatial <= kWarpMaxSpatial) return warp_plan(p);
   const ForwardPlan block = block_plan(p);

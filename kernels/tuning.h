@@ -26,6 +26,14 @@ constexpr int kBlockSmallMinSlicesPerSm = 4;
 // when forced): one CTA per SM cannot overlap a tile's load, reductions and store,
 // and above 128 KB the split path was as fast or faster (docs/perf-notes.md #59).
 constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
+// The channels-last cluster path's cluster sizes, the first that holds the image:
+// 8 (two clusters to a GPC of 16 or more SMs) or 16. Measured on an H200 (x copy,
+// docs/perf-notes.md #145): clusters of 8 led those of 6 and 16 on (128, 64, 100,
+// 100) bf16 (1.48 against 1.60 and 1.58) and those of 16 on (8, 256, 56, 56) bf16
+// (1.72 against 2.56); where 8 do not hold the image, 16 led 12-14 on (128, 64, 100,
+// 100) fp32 (1.55 against 1.60-1.67) and about 10 on (32, 64, 128, 128) bf16 (1.94
+// against 2.16).
+constexpr int kChannelsLastClusterSizes[] = {8, 16};
 // The pipelined path (fp32) is chosen only where its busiest team takes this many
 // slices: its first three rounds only read and its last three only write; it led the
 // cooperative path from 3 rounds on and lost at 2 (docs/perf-notes.md #75, #80, #81).

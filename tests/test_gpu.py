@@ -160,10 +160,13 @@ def test_parameters_of_any_float_dtype_match_float64(solution, dtype, parameter_
 # the block path (tiles of 8 fp32 or 16 16-bit channels; 40 channels end in a
 # partial tile) runs them where num_channels is a multiple of the 16-byte vector and
 # a tile of every position fits a CTA (the chooser takes it up to 128 KB tiles:
-# test_automatic_path_per_size), the split path always; read in place, output in
-# the same layout.
+# test_automatic_path_per_size); the cluster path (an image per cluster, all
+# channels of a position per thread column; 3 x 3 images leave the last ranks of 8
+# without positions, 2,048 fp32 channels are one column per thread) where an image
+# fits a cluster on Hopper; the split path always; read in place, output in the same
+# layout.
 CHANNELS_LAST_SHAPES = [(8, 256, 56, 56), (2, 3, 7, 7), (2, 40, 9, 9), (3, 64, 1000), (1, 32, 16, 16, 16),
-                        (2, 8, 300, 300), (2, 24, 84, 84)]
+                        (2, 8, 300, 300), (2, 24, 84, 84), (2, 2048, 5, 5), (4, 16, 3, 3)]
 
 
 def channels_last_block_fits(solution, shape, dtype):
@@ -178,6 +181,20 @@ def channels_last_block_fits(solution, shape, dtype):
     return shape[1] % (4 if dtype == torch.float32 else 8) == 0 and tile_bytes <= optin
 
 
+def channels_last_cluster_fits(solution, shape, dtype):
+    """Whether the channels-last cluster path reads this shape (Hopper only): whole
+    16-byte vectors of channels, at most 512 of them per position (one per thread of a
+    512-thread CTA), and an image in 16 CTAs, each with a chunk of ceil(positions / 16)
+    positions, the per-thread sums (rows x C floats, rows = 512 // vectors per position)
+    and 8 floats per channel, within one CTA's shared memory."""
+    per_vector = 4 if dtype == torch.float32 else 8
+    if not hopper(solution) or shape[1] % per_vector or shape[1] // per_vector > 512:
+        return False
+    vectors = shape[1] // per_vector
+    chunk = -(-math.prod(shape[2:]) // 16)
+    return chunk * vectors * 16 + (512 // vectors * shape[1] + 8 * shape[1]) * 4 <= shared_per_cta(solution)
+
+
 @pytest.mark.parametrize("shape", CHANNELS_LAST_SHAPES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_channels_last_is_read_in_place(solution, shape, dtype):
@@ -189,7 +206,8 @@ def test_channels_last_is_read_in_place(solution, shape, dtype):
     fits = channels_last_block_fits(solution, shape, dtype)
     if fits is None:
         pytest.skip(f"{shape}: a tile within the kernel's static shared memory of this GPU's CTA limit")
-    assert check_paths(solution, x, weight, bias) == ([BLOCK, SPLIT] if fits else [SPLIT])
+    expected = [BLOCK] * fits + [CLUSTER] * channels_last_cluster_fits(solution, shape, dtype) + [SPLIT]
+    assert check_paths(solution, x, weight, bias) == expected
     if x.dim() == 4:
         out = solution.InstanceNorm2d(shape[1])(x)
         assert out.is_contiguous(memory_format=torch.channels_last)
@@ -328,10 +346,12 @@ def test_fp32_spread_of_two_ulps_keeps_rstd(solution):
 
 
 # (path, layout, shapes) for the first-value test: slices of whole vectors and not
-# (unaligned); channels-last tiles need whole vectors of channels and fit 64 x 64.
+# (unaligned); channels-last tiles need whole vectors of channels and fit 64 x 64; the
+# channels-last cluster path spreads each image over up to 16 CTAs.
 FIRST_VALUE_CASES = {
     "block": (BLOCK, False, ((2, 8, 64, 64), (2, 8, 99, 99))),
     "block-channels-last": (BLOCK, True, ((2, 8, 64, 64),)),
+    "cluster-channels-last": (CLUSTER, True, ((2, 8, 64, 64), (2, 8, 99, 99))),
     "warp": (WARP, False, ((2, 8, 16, 16), (2, 8, 23, 23))),
 }
 
@@ -359,8 +379,9 @@ def test_first_value_far_from_the_mean(solution, dtype, case):
         x = x.to(dtype)
         if as_channels_last:
             x = channels_last(x)
-            if not channels_last_block_fits(solution, shape, dtype):
-                pytest.skip(f"{shape}: a channels-last tile of every position does not fit this GPU's CTA")
+            fits = channels_last_block_fits if path == BLOCK else channels_last_cluster_fits
+            if not fits(solution, shape, dtype):
+                pytest.skip(f"{shape}: path {path} does not run channels-last input of this shape on this GPU")
         assert path in paths_for(solution, x)
         reference = float64_reference(x)
         mean64, var64 = float64_stats(x)
@@ -505,10 +526,12 @@ def test_automatic_path_per_size_on_hopper(solution):
     assert chosen(8, 256, 56, 56, memory_format=torch.channels_last) == BLOCK  # 98 KB tiles
     assert chosen(1, 32, 16, 16, 16, memory_format=torch.channels_last_3d) == BLOCK  # 128 KB tiles
     assert chosen(2, 16, 64, 64, memory_format=torch.channels_last) == BLOCK  # 4,096 positions: 128 KB tiles
-    assert chosen(2, 16, 65, 65, memory_format=torch.channels_last) == SPLIT  # 4,225 positions: above 128 KB
-    assert chosen(2, 24, 84, 84, memory_format=torch.channels_last, dtype=torch.bfloat16) == SPLIT  # 220 KB: split faster
+    assert chosen(2, 16, 65, 65, memory_format=torch.channels_last) == CLUSTER  # tiles above 128 KB: a cluster
+    assert chosen(2, 24, 84, 84, memory_format=torch.channels_last, dtype=torch.bfloat16) == CLUSTER  # 220 KB tiles
     assert chosen(2, 3, 56, 56, memory_format=torch.channels_last) == SPLIT  # not whole vectors
-    assert chosen(2, 8, 128, 128, memory_format=torch.channels_last) == SPLIT  # 512 KB tiles
+    assert chosen(2, 8, 128, 128, memory_format=torch.channels_last) == CLUSTER  # 512 KB tiles
+    assert chosen(128, 64, 100, 100, memory_format=torch.channels_last) == CLUSTER  # 2.4 MB images
+    assert chosen(1, 64, 2048, 2048, memory_format=torch.channels_last) == SPLIT  # a 1 GB image fits no cluster
 
 
 def test_forced_path_that_cannot_run_is_refused(solution):
