@@ -371,6 +371,19 @@ struct SliceShift {
   __device__ float rstd(float rstd_d) const { return rstd_d * scale; }
 };
 
+// The channels-last kernels' statistics sweep, one vector of N channels: adds each
+// channel's d = shift[k].apply(values[k]) to sum_d[k] and d^2 to sum_d2[k].
+template <int N>
+__device__ __forceinline__ void add_shifted_sums(const SliceShift (&shift)[N], const float (&values)[N],
+                                                 float (&sum_d)[N], float (&sum_d2)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float d = shift[k].apply(values[k]);
+    sum_d[k] += d;
+    sum_d2[k] = __fmaf_rn(d, d, sum_d2[k]);
+  }
+}
+
 // Statistics of a set of values: how many, their mean, and M2 = sum of squared
 // deviations from that mean (the biased variance is m2 / count).
 struct SliceStats {

@@ -292,14 +292,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
     };
     float mean[kPer] = {};
     float m2[kPer] = {};
-    for_each_vector([&](int, const float(&values)[kPer]) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const float d = shift[k].apply(values[k]);
-        mean[k] += d;
-        m2[k] = __fmaf_rn(d, d, m2[k]);
-      }
-    });
+    for_each_vector([&](int, const float(&values)[kPer]) { add_shifted_sums(shift, values, mean, m2); });
     Totals::allreduce(mean);
     Totals::allreduce(m2);
     // A count of the channels that fail the test, not a bool: with a bool flag, ptxas
@@ -461,14 +454,7 @@ __global__ void __launch_bounds__(THREADS, 2) forward_channels_last_cluster_kern
 
   float sum_d[kPer] = {};
   float sum_d2[kPer] = {};
-  for_each_vector([&](int, const float(&values)[kPer]) {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const float d = shift[k].apply(values[k]);
-      sum_d[k] += d;
-      sum_d2[k] = __fmaf_rn(d, d, sum_d2[k]);
-    }
-  });
+  for_each_vector([&](int, const float(&values)[kPer]) { add_shifted_sums(shift, values, sum_d, sum_d2); });
   Columns::totals(thread_sums, channels, rows, active, sum_d, [&](int c, float total) { cta_sums[c].x = total; });
   Columns::totals(thread_sums, channels, rows, active, sum_d2, [&](int c, float total) { cta_sums[c].y = total; });
   cluster.sync();  // every rank's sums are published
