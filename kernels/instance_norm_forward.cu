@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
 // every channel of the image, else a sweep for the M2 about the mean (as the block
 // paths). y = (x - shift) * scale + offset per channel, written in the order it was
 // read. Needs num_channels a multiple of the vector with pv <= THREADS, 16-byte
-// aligned x and y, and channels_last_cluster_bytes of dynamic shared memory.
+// aligned x and y, and ChannelsLastCluster<THREADS>::bytes of dynamic shared memory.
 template <int THREADS>
 struct ChannelsLastCluster {
   // Dynamic shared memory, in this order: the chunk (chunk * pv 16-byte vectors), the

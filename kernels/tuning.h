@@ -23,12 +23,14 @@ constexpr int kBlockSmallCtasPerSm = 6;
 // CTAs split by shape (docs/perf-notes.md #83-#85).
 constexpr int kBlockSmallMinSlicesPerSm = 4;
 // The largest channels-last tile the chooser gives the block path (larger ones run
-// when forced): one CTA per SM cannot overlap a tile's load, reductions and store,
-// and above 128 KB the split path was as fast or faster (docs/perf-notes.md #59).
+// when forced; those inputs take the cluster path where a cluster holds an image,
+// else the split path): one CTA per SM cannot overlap a tile's load, reductions and
+// store, and above 128 KB the split path was as fast or faster (docs/perf-notes.md
+// #59); the cluster path beat both above it (#145, #147).
 constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
 // The channels-last cluster path's cluster sizes, the first that holds the image:
 // 8 (two clusters to a GPC of 16 or more SMs) or 16. Measured on an H200 (x copy,
-// docs/perf-notes.md #145): clusters of 8 led those of 6 and 16 on (128, 64, 100,
+// docs/perf-notes.md #146): clusters of 8 led those of 6 and 16 on (128, 64, 100,
 // 100) bf16 (1.48 against 1.60 and 1.58) and those of 16 on (8, 256, 56, 56) bf16
 // (1.72 against 2.56); where 8 do not hold the image, 16 led 12-14 on (128, 64, 100,
 // 100) fp32 (1.55 against 1.60-1.67) and about 10 on (32, 64, 128, 128) bf16 (1.94
