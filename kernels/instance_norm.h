@@ -46,7 +46,8 @@ enum class ForwardPath : int {
   // holding a contiguous run of positions with all their channels in shared memory
   // (read once), per-channel sums exchanged through DSMEM; num_channels a multiple of
   // the vector and at most 2,048 fp32 or 4,096 fp16/bf16, 16-byte aligned x and y,
-  // images up to about 3.4 MB on an H200.
+  // images up to about 3.4 MB on an H200 (less with thousands of channels, whose
+  // per-channel sums take shared memory too).
   kCluster = 2,
   // One warp per slice, many slices per CTA, the slice held in registers (read
   // once). Contiguous, spatial <= kWarpMaxSpatial, any alignment and GPU.

@@ -833,6 +833,7 @@ ForwardPlan block_plan(const ForwardProblem& p) {
 // leave room: 64 registers); positions of up to 512 16-byte vectors (2,048 fp32 or
 // 4,096 16-bit channels).
 constexpr int kChannelsLastClusterThreads = 512;
+constexpr int64_t kMaxGridCtas = INT_MAX;  // gridDim.x's limit, 2^31 - 1
 using ChannelsLastClusterShared = ChannelsLastCluster<kChannelsLastClusterThreads>;
 
 // The channels-last cluster path, where the input is whole vectors of channels at
@@ -851,7 +852,8 @@ ForwardPlan channels_last_cluster_plan(const ForwardProblem& p) {
   });
   for (const int ranks : kChannelsLastClusterSizes) {
     const int64_t bytes = ChannelsLastClusterShared::bytes(p.spatial, p.num_channels, per_vector, ranks);
-    if (bytes > kBlockMaxBytes) continue;
+    // One CTA per rank of each image, no grid stride: the grid must fit gridDim.x.
+    if (bytes > kBlockMaxBytes || p.batch > kMaxGridCtas / ranks) continue;
     const int shared_bytes = static_cast<int>(bytes);
     if (ctas_per_sm(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes) < 1 ||
         max_active_clusters(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes,
