@@ -345,13 +345,20 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
   }
 }
 
-// Cluster path, channels-last (sm_90+): a thread-block cluster of `ranks` CTAs per
-// image n; CTA rank r holds positions [r * chunk, (r + 1) * chunk) of the image with
-// all C channels (chunk = ceil(spatial / ranks)), one contiguous piece of x read once
-// into shared memory by 16-byte cp.async copies in order, coalesced as a copy's
-// reads. A position is pv = C / kPer 16-byte vectors; thread t < rows * pv (rows =
-// THREADS / pv positions per step) takes vector column t % pv, the same kPer channels
-// at every position it visits (t / pv + rows * j); the other threads only copy.
+// Cluster path, channels-last (sm_90+), persistent: thread-block clusters of `ranks`
+// CTAs, as many as are resident at once and at most one per image; cluster k
+// normalizes images k, k + clusters, ... CTA rank r holds positions
+// [r * chunk, (r + 1) * chunk) of the image with all C channels (chunk =
+// ceil(spatial / ranks)), one contiguous piece of x read once into shared memory by
+// 16-byte cp.async copies in order, coalesced as a copy's reads. A position is
+// pv = C / kPer 16-byte vectors; thread t < rows * pv (rows = THREADS / pv positions
+// per step) takes vector column t % pv, the same kPer channels at every position it
+// visits (t / pv + rows * j), and copies exactly the vectors it reads; the other
+// threads neither copy nor read. So a thread that has written y of one of its
+// vectors copies the next image's vector into the same place at once: the next
+// image's read overlaps this image's writes with no barrier between them, as the
+// contiguous resident paths stage their next slice (one CTA per SM ran its load,
+// reduction and store one after another: docs/perf-notes.md #147).
 // Statistics per channel of d = (x - shift) * k (SliceShift of the image's value at
 // position 0), as on the other paths: each thread's sums of d and d^2, totalled over
 // the CTA's rows in row order through shared memory, then over the cluster's ranks in
@@ -397,7 +404,7 @@ struct ChannelsLastCluster {
 };
 
 template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS, 2) forward_channels_last_cluster_kernel(const ForwardProblem p) {
+__global__ void __launch_bounds__(THREADS, 1) forward_channels_last_cluster_kernel(const ForwardProblem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
@@ -405,7 +412,7 @@ __global__ void __launch_bounds__(THREADS, 2) forward_channels_last_cluster_kern
   const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   const int ranks = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t n = blockIdx.x / ranks;
+  const int64_t clusters = gridDim.x / ranks;
   const int channels = static_cast<int>(p.num_channels);
   const int spatial = static_cast<int>(p.spatial);
   const int pv = channels / kPer;  // 16-byte vectors per position
@@ -425,21 +432,13 @@ __global__ void __launch_bounds__(THREADS, 2) forward_channels_last_cluster_kern
   float* const scales = shift_values + channels;
   float* const offsets = scales + channels;
 
-  const uint4* const image_x = static_cast<const uint4*>(p.x) + n * spatial * pv;
-  const uint4* const chunk_x = image_x + first_position * pv;
-  uint4* const chunk_y = static_cast<uint4*>(p.y) + n * spatial * pv + first_position * pv;
-  const unsigned chunk_base = static_cast<unsigned>(__cvta_generic_to_shared(chunk_vectors));
-  for (int v = threadIdx.x; v < vectors; v += THREADS) cp_async_16<0>(chunk_base + 16u * v, chunk_x + v);
-
   const int column = static_cast<int>(threadIdx.x) % pv;
   const bool active = static_cast<int>(threadIdx.x) < active_threads;
-  SliceShift shift[kPer];
-  {
-    float first[kPer];
-    S::unpack(__ldg(image_x + column), first);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) shift[k] = SliceShift::of(first[k]);
-  }
+  const unsigned chunk_base = static_cast<unsigned>(__cvta_generic_to_shared(chunk_vectors));
+  // This CTA's chunk of image `image` in x.
+  const auto chunk_x_of = [&](int64_t image) {
+    return static_cast<const uint4*>(p.x) + (image * spatial + first_position) * pv;
+  };
   // f(v, values) for each of this thread's vectors v of the chunk, unpacked.
   const auto for_each_vector = [&](auto f) {
     if (!active) return;
@@ -449,80 +448,100 @@ __global__ void __launch_bounds__(THREADS, 2) forward_channels_last_cluster_kern
       f(v, values);
     }
   };
-  cp_async_wait_all();
-  __syncthreads();
+  int64_t n = blockIdx.x / ranks;
+  if (active) {
+    const uint4* const chunk_x = chunk_x_of(n);
+    for (int v = threadIdx.x; v < vectors; v += active_threads) cp_async_16<0>(chunk_base + 16u * v, chunk_x + v);
+  }
+  for (; n < p.batch; n += clusters) {
+    const uint4* const image_x = static_cast<const uint4*>(p.x) + n * spatial * pv;
+    uint4* const chunk_y = static_cast<uint4*>(p.y) + (n * spatial + first_position) * pv;
+    const uint4* const next_chunk_x = n + clusters < p.batch ? chunk_x_of(n + clusters) : nullptr;
+    SliceShift shift[kPer];
+    {
+      float first[kPer];
+      S::unpack(__ldg(image_x + column), first);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) shift[k] = SliceShift::of(first[k]);
+    }
+    cp_async_wait_all();  // this thread's vectors of image n, which it alone reads
 
-  float sum_d[kPer] = {};
-  float sum_d2[kPer] = {};
-  for_each_vector([&](int, const float(&values)[kPer]) { add_shifted_sums(shift, values, sum_d, sum_d2); });
-  Columns::totals(thread_sums, channels, rows, active, sum_d, [&](int c, float total) { cta_sums[c].x = total; });
-  Columns::totals(thread_sums, channels, rows, active, sum_d2, [&](int c, float total) { cta_sums[c].y = total; });
-  cluster.sync();  // every rank's sums are published
-  const float count = static_cast<float>(spatial);
-  int inaccurate = 0;  // channels of this thread that fail the test
-  for (int c = threadIdx.x; c < channels; c += THREADS) {
-    float2 total = make_float2(0.f, 0.f);
-    for (int r = 0; r < ranks; ++r) {
-      const float2 part = *cluster.map_shared_rank(cta_sums + c, r);
-      total.x += part.x;
-      total.y += part.y;
-    }
-    image_mean_d[c] = total.x / count;
-    image_m2[c] = total.y - total.x * (total.x / count);
-    inaccurate += !shifted_sums_m2_is_accurate(image_mean_d[c], image_m2[c], count);
-  }
-  // This CTA has read the other ranks' sums; the matching wait, before the CTA exits
-  // or rewrites what they read, lets no rank leave while another still reads it.
-  cluster.barrier_arrive();
-  if (__syncthreads_or(inaccurate)) {  // the same totals, so the same branch, on every rank
-    cluster.barrier_wait();
-    float m2[kPer] = {};
-    for_each_vector([&](int, const float(&values)[kPer]) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const float deviation = shift[k].apply(values[k]) - image_mean_d[column * kPer + k];
-        m2[k] += deviation * deviation;
-      }
-    });
-    Columns::totals(thread_sums, channels, rows, active, m2, [&](int c, float total) { cta_m2[c] = total; });
-    cluster.sync();
+    float sum_d[kPer] = {};
+    float sum_d2[kPer] = {};
+    for_each_vector([&](int, const float(&values)[kPer]) { add_shifted_sums(shift, values, sum_d, sum_d2); });
+    Columns::totals(thread_sums, channels, rows, active, sum_d, [&](int c, float total) { cta_sums[c].x = total; });
+    Columns::totals(thread_sums, channels, rows, active, sum_d2, [&](int c, float total) { cta_sums[c].y = total; });
+    cluster.sync();  // every rank's sums are published
+    const float count = static_cast<float>(spatial);
+    int inaccurate = 0;  // channels of this thread that fail the test
     for (int c = threadIdx.x; c < channels; c += THREADS) {
-      float total = 0.f;
-      for (int r = 0; r < ranks; ++r) total += *cluster.map_shared_rank(cta_m2 + c, r);
-      image_m2[c] = total;
+      float2 total = make_float2(0.f, 0.f);
+      for (int r = 0; r < ranks; ++r) {
+        const float2 part = *cluster.map_shared_rank(cta_sums + c, r);
+        total.x += part.x;
+        total.y += part.y;
+      }
+      image_mean_d[c] = total.x / count;
+      image_m2[c] = total.y - total.x * (total.x / count);
+      inaccurate += !shifted_sums_m2_is_accurate(image_mean_d[c], image_m2[c], count);
     }
+    // This CTA has read the other ranks' sums; the matching wait, before the CTA
+    // rewrites what they read (or exits), lets no rank go on while another still
+    // reads it.
     cluster.barrier_arrive();
-  }
-  // y = d * scale_d + offset per channel, computed as (x - shift) * (k * scale_d) +
-  // offset, as on the channels-last block path.
-  for (int c = threadIdx.x; c < channels; c += THREADS) {
-    const SliceShift channel_shift = SliceShift::of(S::to_float(reinterpret_cast<const T*>(image_x)[c]));
-    const float rstd = channel_shift.rstd_of_d(image_m2[c], count, p.eps);
-    const int64_t slice = n * channels + c;
-    if (rank == 0) save_slice_stats(p, slice, channel_shift.mean(image_mean_d[c]), channel_shift.rstd(rstd));
-    const float2 affine = slice_affine(p, slice);
-    const float scale_d = rstd * affine.x;
-    offsets[c] = affine.y - image_mean_d[c] * scale_d;
-    scales[c] = scale_d * channel_shift.scale;
-    shift_values[c] = channel_shift.value();
-  }
-  __syncthreads();
-  float shift_value[kPer], scale[kPer], offset[kPer];
+    if (__syncthreads_or(inaccurate)) {  // the same totals, so the same branch, on every rank
+      cluster.barrier_wait();
+      float m2[kPer] = {};
+      for_each_vector([&](int, const float(&values)[kPer]) {
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int c = active ? column * kPer + k : 0;
-    shift_value[k] = shift_values[c];
-    scale[k] = scales[c];
-    offset[k] = offsets[c];
-  }
-  for_each_vector([&](int v, const float(&values)[kPer]) {
-    float out[kPer];
+        for (int k = 0; k < kPer; ++k) {
+          const float deviation = shift[k].apply(values[k]) - image_mean_d[column * kPer + k];
+          m2[k] += deviation * deviation;
+        }
+      });
+      Columns::totals(thread_sums, channels, rows, active, m2, [&](int c, float total) { cta_m2[c] = total; });
+      cluster.sync();
+      for (int c = threadIdx.x; c < channels; c += THREADS) {
+        float total = 0.f;
+        for (int r = 0; r < ranks; ++r) total += *cluster.map_shared_rank(cta_m2 + c, r);
+        image_m2[c] = total;
+      }
+      cluster.barrier_arrive();
+    }
+    // y = d * scale_d + offset per channel, computed as (x - shift) * (k * scale_d) +
+    // offset, as on the channels-last block path.
+    for (int c = threadIdx.x; c < channels; c += THREADS) {
+      const SliceShift channel_shift = SliceShift::of(S::to_float(reinterpret_cast<const T*>(image_x)[c]));
+      const float rstd = channel_shift.rstd_of_d(image_m2[c], count, p.eps);
+      const int64_t slice = n * channels + c;
+      if (rank == 0) save_slice_stats(p, slice, channel_shift.mean(image_mean_d[c]), channel_shift.rstd(rstd));
+      const float2 affine = slice_affine(p, slice);
+      const float scale_d = rstd * affine.x;
+      offsets[c] = affine.y - image_mean_d[c] * scale_d;
+      scales[c] = scale_d * channel_shift.scale;
+      shift_values[c] = channel_shift.value();
+    }
+    __syncthreads();
+    float shift_value[kPer], scale[kPer], offset[kPer];
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(values[k] - shift_value[k], scale[k], offset[k]);
-    apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(chunk_y + v), out);
-    store_streaming(chunk_y + v, S::pack(out));
-  });
-  cluster.barrier_wait();
+    for (int k = 0; k < kPer; ++k) {
+      const int c = active ? column * kPer + k : 0;
+      shift_value[k] = shift_values[c];
+      scale[k] = scales[c];
+      offset[k] = offsets[c];
+    }
+    for_each_vector([&](int v, const float(&values)[kPer]) {
+      float out[kPer];
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) out[k] = __fmaf_rn(values[k] - shift_value[k], scale[k], offset[k]);
+      apply_epilogue(p.epilogue, p.y, reinterpret_cast<const T*>(chunk_y + v), out);
+      store_streaming(chunk_y + v, S::pack(out));
+      // The store took the values this thread read from vector v, so that read has
+      // returned (in-order issue) before the copy below overwrites it.
+      if (next_chunk_x != nullptr) cp_async_16<0>(chunk_base + 16u * v, next_chunk_x + v);
+    });
+    cluster.barrier_wait();
+  }
 #endif
 }
 
@@ -829,18 +848,18 @@ ForwardPlan block_plan(const ForwardProblem& p) {
   return plan;
 }
 
-// The channels-last cluster kernel's CTA size (two CTAs per SM where their chunks
-// leave room: 64 registers); positions of up to 512 16-byte vectors (2,048 fp32 or
-// 4,096 16-bit channels).
+// The channels-last cluster kernel's CTA size, one CTA per SM (its own writes overlap
+// the next image's read; at two, 64 registers, ptxas spilled the 16-bit kernels);
+// positions of up to 512 16-byte vectors (2,048 fp32 or 4,096 16-bit channels).
 constexpr int kChannelsLastClusterThreads = 512;
-constexpr int64_t kMaxGridCtas = INT_MAX;  // gridDim.x's limit, 2^31 - 1
 using ChannelsLastClusterShared = ChannelsLastCluster<kChannelsLastClusterThreads>;
 
 // The channels-last cluster path, where the input is whole vectors of channels at
 // aligned x and y (block_input_supported), a position has at most
 // kChannelsLastClusterThreads vectors, and an image fits a cluster of
 // kChannelsLastClusterSizes[0] or [1] CTAs (on an H200 up to about 1.7 or 3.4 MB);
-// one cluster per image, of the smaller size that fits.
+// clusters of the smaller size that fits, as many as are resident at once, at most
+// one per image.
 ForwardPlan channels_last_cluster_plan(const ForwardProblem& p) {
   ForwardPlan plan{};
   const int per_vector = values_per_vector(p.dtype);
@@ -852,18 +871,18 @@ ForwardPlan channels_last_cluster_plan(const ForwardProblem& p) {
   });
   for (const int ranks : kChannelsLastClusterSizes) {
     const int64_t bytes = ChannelsLastClusterShared::bytes(p.spatial, p.num_channels, per_vector, ranks);
-    // One CTA per rank of each image, no grid stride: the grid must fit gridDim.x.
-    if (bytes > kBlockMaxBytes || p.batch > kMaxGridCtas / ranks) continue;
+    if (bytes > kBlockMaxBytes) continue;
     const int shared_bytes = static_cast<int>(bytes);
-    if (ctas_per_sm(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes) < 1 ||
-        max_active_clusters(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes,
-                            ranks) < 1) {
-      continue;
-    }
+    const int clusters =
+        ctas_per_sm(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes) < 1
+            ? 0
+            : max_active_clusters(reinterpret_cast<const void*>(kernel), kChannelsLastClusterThreads, shared_bytes,
+                                  ranks);
+    if (clusters < 1) continue;
     plan.path = ForwardPath::kCluster;
     plan.team_size = ranks;
-    plan.teams = p.batch;
-    plan.launch = {LaunchKind::kCluster, kernel, static_cast<unsigned>(p.batch * ranks),
+    plan.teams = std::min<int64_t>(p.batch, clusters);
+    plan.launch = {LaunchKind::kCluster, kernel, static_cast<unsigned>(plan.teams * ranks),
                    kChannelsLastClusterThreads, shared_bytes, ranks, 0};
     break;
   }

@@ -398,6 +398,40 @@ def test_first_value_far_from_the_mean(solution, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_channels_last_cluster_path_with_more_images_than_clusters(solution, dtype):
+    """The channels-last cluster path's clusters are persistent: each normalizes image
+    k, k + clusters, ..., copying the next image's chunk while it writes the current
+    one. 600 images of 16 channels and 20 x 20 positions (clusters of 8 CTAs of 512
+    threads, at most two CTAs per SM by their 64 registers, so at most SMs / 4 clusters:
+    several images each) match float64 with weight and bias. Every third image's first
+    value lies 1e4 standard deviations out, so that image takes the M2 sweep about the
+    mean and the images before and after it in its cluster do not."""
+    if not hopper(solution):
+        pytest.skip("the cluster path needs Hopper (sm_90)")
+    shape = (600, 16, 20, 20)
+    assert shape[0] >= 2 * (torch.cuda.get_device_properties(0).multi_processor_count // 4)
+    torch.manual_seed(29)
+    x = torch.randn(shape, device="cuda")
+    rest = x[::3].flatten(2)[..., 1:]
+    x[::3, :, 0, 0] = rest.mean(2) + 1e4 * rest.std(2)
+    x = channels_last(x.to(dtype))
+    weight = torch.randn(shape[1], device="cuda")
+    bias = torch.randn(shape[1], device="cuda")
+    assert CLUSTER in paths_for(solution, x)
+    reference = float64_reference(x, weight, bias)
+    mean64, var64 = float64_stats(x)
+    out, (mean, rstd) = run_poisoned(
+        lambda: solution._EXT.forward_with_stats(x, weight=weight, bias=bias, path=CLUSTER), x)
+    assert out.stride() == x.stride()
+    torch.testing.assert_close(out.double(), reference, atol=TOLERANCE[dtype],
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2, msg="output")
+    torch.testing.assert_close(rstd.double().view_as(var64), torch.rsqrt(var64 + 1e-5), rtol=1e-5, atol=0,
+                               msg="rstd")
+    mean_error = ((mean.double().view_as(mean64) - mean64).abs() / var64.sqrt()).max().item()
+    assert mean_error <= 1e-4, f"mean off by {mean_error:.3g} standard deviations"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_squares_about_the_first_value_overflowing_fp32(solution, dtype):
     """2.5e17 * (1 + randn) after a first value of 0: the squares of d = x - x[0] sum to
     about 5e38, past fp32's range, while the M2 about the mean (about 2.6e38) is not.

@@ -17,9 +17,10 @@ ACTIVATIONS = (None, "relu", "leaky_relu", "silu", "gelu", "gelu_tanh")
 SLOPE = 0.2
 DTYPES = (torch.float32, torch.bfloat16)
 # Warp, block, split (aligned and not), cluster, cooperative and pipelined contiguous
-# slices; channels-last tiles (block and split).
+# slices; channels-last tiles (block and split) and images (cluster: 64 images, more
+# than the clusters resident at once, so each cluster takes several).
 SHAPES = ((2, 8, 24, 24), (3, 5, 9, 9), (2, 4, 128, 128), (1, 2, 512, 512))
-CHANNELS_LAST_SHAPES = ((2, 16, 20, 20), (2, 6, 9, 9))
+CHANNELS_LAST_SHAPES = ((2, 16, 20, 20), (2, 6, 9, 9), (64, 8, 12, 12))
 GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 

@@ -11,7 +11,9 @@ filled clusters, a 16-CTA cluster, odd sizes, more slices than resident teams (1
 25,600 values: the backward's resident teams go round twice with 6-13 dy vectors per
 thread; the pipelined path's teams take 3 rounds, 10 on 1,200 slices of 1,024 values
 and 12 with two CTAs a team on 792 slices of 16,400, more than its totals rotate
-through), the split path (contiguous and channels-last), eval with running statistics,
+through; the channels-last cluster path's clusters take 96 images of 8 channels several
+each, copying the next image's chunk while they write the current one), the split path
+(contiguous and channels-last), eval with running statistics,
 the running-statistics update and a misaligned view, in float32 and bfloat16, with a
 per-channel weight. The block path's extra M2 sweep runs on the slices whose first
 value lies over 2 standard deviations from their mean, about 5% of these random
@@ -30,7 +32,8 @@ from reference import BACKWARD_GENERIC, PIPELINED, channels_last, float64_refere
 
 SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (2, 3, 45, 45), (2, 2, 128, 128), (1, 2, 301, 301),
           (1, 2, 724, 724), (3, 5, 7, 7), (1, 2, 1030, 1030), (3, 50, 160, 160),
-          (1, 2, 210, 210), (2, 24, 20, 20), (1, 24, 24, 24), (1, 24, 48, 48), (4, 300, 32, 32), (2, 320, 64, 64)]
+          (1, 2, 210, 210), (2, 24, 20, 20), (1, 24, 24, 24), (1, 24, 48, 48), (4, 300, 32, 32), (2, 320, 64, 64),
+          (96, 8, 24, 24)]
 
 
 def close(out, reference, dtype):
