@@ -914,10 +914,15 @@ ForwardPlan resident_plan(TeamKind team, const ForwardProblem& p) {
 // reads), slower than a resident team of one CTA, whose slice sits in registers,
 // where there are more slices than teams (the team stages its next slice while it
 // writes the current one), so those keep their team unless the slices fit one round
-// of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes (kernels/tuning.h).
+// of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes (kernels/tuning.h),
+// and larger ones where a tile holds every channel of its image, so that it reads the
+// image whole, as a copy does: measured, 1.3-2.7x faster than the cluster path, whose
+// cost per image is the same for a few channels as for many (docs/perf-notes.md #149).
 bool block_preferred(const ForwardProblem& p, const ForwardPlan& block) {
   if (!block.valid()) return false;
-  if (p.layout == Layout::kChannelsLast) return block_bytes(p) <= kChannelsLastChosenMaxBytes;
+  if (p.layout == Layout::kChannelsLast) {
+    return block_bytes(p) <= kChannelsLastChosenMaxBytes || block_work(p) == p.batch;
+  }
   if (launch_ctas_per_sm(block.launch) >= 2) return true;
   const ResidentVariant<ForwardProblem>& variant = resident_variant_for(p);
   if (variant.team_size(p.spatial) > 1) return true;
@@ -959,7 +964,7 @@ static_assert(kWarpMaxSpatial == 32 * kWarpSize, "the warp path's largest varian
 // block_preferred, else the cluster path where it runs, else the pipelined path where
 // pipelined_preferred (fp32 only), else cooperative teams where the slice fits the
 // resident CTAs and not split_preferred, else the split path. Channels-last input takes the block path where
-// block_preferred, else the split path.
+// block_preferred, else the cluster path where it runs, else the split path.
 ForwardPlan chosen_plan(const ForwardProblem& p) {
   if (p.layout != Layout::kContiguous) {
     const ForwardPlan block = block_plan(p);

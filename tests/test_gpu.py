@@ -564,6 +564,10 @@ def test_automatic_path_per_size_on_hopper(solution):
     assert chosen(2, 24, 84, 84, memory_format=torch.channels_last, dtype=torch.bfloat16) == CLUSTER  # 220 KB tiles
     assert chosen(2, 3, 56, 56, memory_format=torch.channels_last) == SPLIT  # not whole vectors
     assert chosen(2, 8, 128, 128, memory_format=torch.channels_last) == CLUSTER  # 512 KB tiles
+    # Tiles above 128 KB that hold all the channels: whole images, read as a copy reads them.
+    assert chosen(256, 8, 80, 80, memory_format=torch.channels_last) == BLOCK  # 200 KB
+    assert chosen(16, 8, 80, 80, memory_format=torch.channels_last) == BLOCK
+    assert chosen(128, 16, 72, 72, memory_format=torch.channels_last, dtype=torch.bfloat16) == BLOCK  # 162 KB
     assert chosen(128, 64, 100, 100, memory_format=torch.channels_last) == CLUSTER  # 2.4 MB images
     assert chosen(1, 64, 2048, 2048, memory_format=torch.channels_last) == SPLIT  # a 1 GB image fits no cluster
 
