@@ -42,9 +42,10 @@ enum class ForwardPath : int {
   // next slice in shared memory while it normalizes the current one. Contiguous,
   // slices of up to 16 * 32,768 fp32 or 16 * 65,536 fp16/bf16 values, spatial a
   // multiple of the 16-byte vector (4 fp32 or 8 fp16/bf16 values), 16-byte aligned
-  // x and y. Channels-last (sm_90+): a cluster of up to 16 CTAs per image, each
-  // holding a contiguous run of positions with all their channels in shared memory
-  // (read once), per-channel sums exchanged through DSMEM; num_channels a multiple of
+  // x and y. Channels-last (sm_90+), persistent: clusters of up to 16 CTAs, an image
+  // at a time, each CTA holding a contiguous run of positions with all their channels
+  // in shared memory (read once; the next image's copied in as the current one is
+  // written), per-channel sums exchanged through DSMEM; num_channels a multiple of
   // the vector and at most 2,048 fp32 or 4,096 fp16/bf16, 16-byte aligned x and y,
   // images up to about 3.4 MB on an H200 (less with thousands of channels, whose
   // per-channel sums take shared memory too).
