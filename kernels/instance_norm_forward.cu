@@ -916,8 +916,10 @@ ForwardPlan resident_plan(TeamKind team, const ForwardProblem& p) {
 // writes the current one), so those keep their team unless the slices fit one round
 // of teams. Channels-last tiles up to kChannelsLastChosenMaxBytes (kernels/tuning.h),
 // and larger ones where a tile holds every channel of its image, so that it reads the
-// image whole, as a copy does: measured, 1.3-2.7x faster than the cluster path, whose
-// cost per image is the same for a few channels as for many (docs/perf-notes.md #149).
+// image whole, as a copy does: measured, 1.26-2.9x faster than the cluster path, whose
+// cost per image is the same for a few channels as for many (docs/perf-notes.md #148,
+// #150; tiles of two full vectors; half-full ones, 4 fp32 or 8 16-bit channels, not
+// measured).
 bool block_preferred(const ForwardProblem& p, const ForwardPlan& block) {
   if (!block.valid()) return false;
   if (p.layout == Layout::kChannelsLast) {
