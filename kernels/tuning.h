@@ -22,9 +22,10 @@ constexpr int kBlockSmallCtasPerSm = 6;
 // ... and only with at least this many slices per SM: with fewer, 128- and 512-thread
 // CTAs split by shape (docs/perf-notes.md #83-#85).
 constexpr int kBlockSmallMinSlicesPerSm = 4;
-// The largest channels-last tile the chooser gives the block path (larger ones run
-// when forced; those inputs take the cluster path where a cluster holds an image,
-// else the split path): one CTA per SM cannot overlap a tile's load, reductions and
+// The largest channels-last tile the chooser gives the block path, unless one tile
+// holds every channel of its image (block_preferred); larger ones run when forced,
+// and those inputs take the cluster path where a cluster holds an image, else the
+// split path. Why: one CTA per SM cannot overlap a tile's load, reductions and
 // store, and above 128 KB the split path was as fast or faster (docs/perf-notes.md
 // #59); the cluster path beat both above it (#145, #147).
 constexpr int64_t kChannelsLastChosenMaxBytes = 128 << 10;
