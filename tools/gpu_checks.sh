@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The named stages (default: all) on a machine with a GPU, logs to $OUT:
+# The named stages (default: all) on a machine with a GPU, logs to $OUT (default /tmp/out):
 #   build     cold build (timed) and SASS load/store widths
 #   tests     python -m pytest -m gpu in three processes at once, and check.py beside them
 #   sanitize  compute-sanitizer memcheck, racecheck, synccheck on tools/sanitize_paths.py,
@@ -12,10 +12,20 @@
 #
 #   bash tools/gpu_checks.sh [stage ...]
 #
-# INSTANCE_NORM_EMULATE=a100 or l40s (testing only; README, "Pre-Hopper paths") runs the
+# INSTANCE_NORM_EMULATE=a100 or l40s (testing only; docs/design.md, "Pre-Hopper paths") runs the
 # same stages with the kernels built as compute_80 PTX and the path choice of that GPU.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
+  sed -n '2,/^set /p' "$0" | grep '^#' | sed -E 's/^# ?//'; exit 0
+fi
+for stage in "$@"; do
+  case "$stage" in build|tests|sanitize|bench|suite|nets) ;;
+    *) echo "gpu_checks: unknown stage '$stage' (stages: build tests sanitize bench suite nets)" >&2; exit 2 ;;
+  esac
+done
+python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)" \
+  || { echo "gpu_checks: needs a CUDA GPU (torch sees none)" >&2; exit 2; }
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # Inside the repository's ignored out/, so a later run on the same machine reuses the build.
 export INSTANCE_NORM_BUILD_ROOT="${INSTANCE_NORM_BUILD_ROOT:-$PWD/out/build}"

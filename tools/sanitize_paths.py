@@ -17,13 +17,20 @@ each, copying the next image's chunk while they write the current one), the spli
 the running-statistics update and a misaligned view, in float32 and bfloat16, with a
 per-channel weight. The block path's extra M2 sweep runs on the slices whose first
 value lies over 2 standard deviations from their mean, about 5% of these random
-ones. Exits 1 if any output is wrong (so a tool run also checks results)."""
+ones. Exits 1 if any output is wrong (so a tool run also checks results), 2 without a
+GPU."""
 import itertools
 import os
 import sys
 
 import torch
 
+if {"-h", "--help"} & set(sys.argv[1:]):
+    print(__doc__)
+    sys.exit(0)
+if not torch.cuda.is_available():  # exit status 2, as check.py and bench.py without a GPU
+    print("sanitize_paths: needs a CUDA GPU (torch sees none)", file=sys.stderr)
+    sys.exit(2)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
