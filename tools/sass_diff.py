@@ -1,24 +1,24 @@
 """Which kernels' machine code a change of the kernel sources moves, without a GPU.
 
-    python tools/sass_diff.py DIR_A DIR_B [--arch 90a] [-k REGEX]
+    python tools/sass_diff.py DIR_A DIR_B [--arch 90a] [--source FILE.cu ...] [-k REGEX]
 
 DIR_A, DIR_B: kernel source folders (e.g. kernels and a copy made with
 `git archive REV kernels | tar -x -C ab/REV`). Each .cu file of DIR_B that differs
-from DIR_A's, or every one where a header differs, is compiled in both folders with
-the extension's nvcc flags for one GPU (-O3 and the -gencode of solution._gencode:
-sm_90a by default, --arch 80 for an A100)
+from DIR_A's, or every one where a header differs (of those, only the --source files
+where given), is compiled in both folders with the extension's nvcc flags for one GPU
+(-O3 and the -gencode of solution._gencode: sm_90a by default, --arch 80 for an A100)
 and disassembled (cuobjdump -sass). For every kernel whose machine code differs it
 prints the registers, the spill bytes (ptxas -v) and the instruction count of each
 side, and how many instruction lines differ once register, predicate and barrier
-numbers and immediates are masked, as GNU diff counts them (a reordering shows as lines
-removed and added at the same count). Kernels with identical machine code are counted, not listed: they run as
-before. One that moved must be timed on every problem it serves, not only on the one
+numbers and immediates are masked, as GNU diff counts them (a reordering shows as
+lines removed and added at the same count). Kernels with identical machine code are
+counted, not listed: they run as before. One that moved must be timed on every problem it serves, not only on the one
 the change was for: edits elsewhere in the resident forward laid its code out anew
 and changed its time by up to 12% (docs/perf-notes.md #138, #154).
 
 Each .cu file is compiled on its own, as tests/test_build.py does, not in the
-extension's single translation unit; the machine code of a kernel is the same
-either way up to addresses. cuobjdump is taken from $CUOBJDUMP, else PATH, else
+extension's single translation unit with torch's extra nvcc flags: compare two
+folders with each other, not with a built extension. cuobjdump is taken from $CUOBJDUMP, else PATH, else
 $CUDA_HOME/bin; nvcc from $CUDA_HOME/bin (default /usr/local/cuda). Exits 0 when
 every compiled kernel is identical, 1 when some differ, 2 on a usage error.
 """
@@ -153,12 +153,16 @@ def main():
     parser.add_argument("dir_a")
     parser.add_argument("dir_b")
     parser.add_argument("--arch", default="90a", help="compute capability digits, e.g. 90a (default) or 80")
+    parser.add_argument("--source", action="append", default=None,
+                        help="compile only this .cu file (repeatable; default: every one that may have changed)")
     parser.add_argument("-k", dest="pattern", default="", help="only kernels whose mangled name matches this regex")
     args = parser.parse_args()
     for directory in (args.dir_a, args.dir_b):
         if not os.path.isdir(directory):
             parser.error(f"{directory} is not a directory")
     sources = sources_to_compile(args.dir_a, args.dir_b)
+    if args.source:
+        sources = [name for name in sources if name in args.source]
     if not sources:
         print("sass_diff: no .cu file differs and no header differs: nothing to compile")
         return 0
