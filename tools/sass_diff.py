@@ -20,10 +20,10 @@ Each .cu file is compiled on its own, as tests/test_build.py does, not in the
 extension's single translation unit with torch's extra nvcc flags: compare two
 folders with each other, not with a built extension. cuobjdump is taken from $CUOBJDUMP, else PATH, else
 $CUDA_HOME/bin; nvcc from $CUDA_HOME/bin (default /usr/local/cuda). Exits 0 when
-every compiled kernel is identical, 1 when some differ, 2 on a usage error.
+every compiled kernel is identical, 1 when some differ, 2 on a usage error or when nvcc
+or cuobjdump fails.
 """
 import argparse
-import concurrent.futures
 import os
 import re
 import shutil
@@ -107,23 +107,38 @@ def compare(a, b):
     return changed
 
 
+def fail(message):
+    """Exit with status 2 (a usage or tool error, not a difference) and `message`."""
+    print(f"sass_diff: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def cuobjdump():
     candidates = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), os.path.join(CUDA_HOME, "bin", "cuobjdump")]
     for candidate in candidates:
         if candidate and os.path.isfile(candidate):
             return candidate
-    sys.exit("sass_diff: cuobjdump not found ($CUOBJDUMP, PATH, $CUDA_HOME/bin); set CUOBJDUMP")
+    fail("cuobjdump not found ($CUOBJDUMP, PATH, $CUDA_HOME/bin); set CUOBJDUMP")
 
 
-def compile_source(directory, source, arch, obj):
-    """(sass by kernel, ptxas resources) of one .cu file of `directory`, compiled to `obj`."""
+def compile_both(directories, source, arch, out_dir):
+    """[(sass by kernel, ptxas resources)] of one .cu file in each of `directories`,
+    the nvcc runs side by side."""
     flags = ["-c", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v"]
-    result = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), *flags, os.path.join(directory, source), "-o", obj],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"sass_diff: nvcc failed on {os.path.join(directory, source)}:\n{result.stderr[-3000:]}")
-    sass = subprocess.run([cuobjdump(), "-sass", obj], capture_output=True, text=True, check=True).stdout
-    return sass_by_kernel(sass), ptxas_resources(result.stdout + result.stderr)
+    objects = [os.path.join(out_dir, f"{side}-{source}.o") for side in range(len(directories))]
+    runs = [subprocess.Popen([os.path.join(CUDA_HOME, "bin", "nvcc"), *flags, os.path.join(directory, source), "-o", obj],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for directory, obj in zip(directories, objects)]
+    logs = [run.communicate()[0] for run in runs]
+    results = []
+    for directory, obj, run, log in zip(directories, objects, runs, logs):
+        if run.returncode != 0:
+            fail(f"nvcc failed on {os.path.join(directory, source)}:\n{log[-3000:]}")
+        sass = subprocess.run([cuobjdump(), "-sass", obj], capture_output=True, text=True)
+        if sass.returncode != 0:
+            fail(f"cuobjdump failed on {obj}:\n{sass.stderr[-3000:]}")
+        results.append((sass_by_kernel(sass.stdout), ptxas_resources(log)))
+    return results
 
 
 def sources_to_compile(dir_a, dir_b):
@@ -167,11 +182,9 @@ def main():
         print("sass_diff: no .cu file differs and no header differs: nothing to compile")
         return 0
     any_changed = False
-    with tempfile.TemporaryDirectory() as out_dir, concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with tempfile.TemporaryDirectory() as out_dir:
         for source in sources:
-            (sass_a, res_a), (sass_b, res_b) = pool.map(
-                lambda side: compile_source(side[0], source, args.arch, os.path.join(out_dir, side[1] + source + ".o")),
-                ((args.dir_a, "a-"), (args.dir_b, "b-")))
+            (sass_a, res_a), (sass_b, res_b) = compile_both((args.dir_a, args.dir_b), source, args.arch, out_dir)
             pick = re.compile(args.pattern)
             sass_a = {k: v for k, v in sass_a.items() if pick.search(k)}
             sass_b = {k: v for k, v in sass_b.items() if pick.search(k)}
