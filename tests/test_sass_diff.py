@@ -1,4 +1,4 @@
-"""CPU tests of tools/sass_diff.py's parsing and comparison (no compiler run; GNU diff)."""
+"""CPU tests of tools/sass_diff.py's parsing and comparison (GNU diff; no compiler run)."""
 import importlib.util
 import os
 
@@ -8,8 +8,9 @@ _spec = importlib.util.spec_from_file_location("sass_diff", os.path.join(ROOT, "
 sass_diff = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_diff)
 
-# The shape of `cuobjdump -sass` output: a header per function, one instruction per
-# line with its address and encoding in comments.
+# The shape of `cuobjdump -sass` output: a header per function, each instruction with
+# its address and the first half of its encoding, the second half on the next line;
+# NOPs pad a kernel's end.
 CUOBJDUMP = """
 	code for sm_90a
 		Function : _Z3onev
@@ -17,10 +18,16 @@ CUOBJDUMP = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                     /* 0x00000a00ff017b82 */
                                                                               /* 0x000fe40000000800 */
         /*0010*/                   S2R R0, SR_TID.X ;                         /* 0x0000000000007919 */
+                                                                              /* 0x000e220000002100 */
         /*0020*/                   EXIT ;                                     /* 0x000000000000794d */
+                                                                              /* 0x000fea0003800000 */
+        /*0030*/                   NOP ;                                      /* 0x0000000000007918 */
+                                                                              /* 0x000fc00000000000 */
 		Function : _Z3twov
         /*0000*/                   STG.E.128 desc[UR4][R2.64], R4 ;            /* 0x0000000402007986 */
+                                                                              /* 0x000fe2000c101d04 */
         /*0010*/                   EXIT ;                                     /* 0x000000000000794d */
+                                                                              /* 0x000fea0003800000 */
 """
 
 PTXAS = """ptxas info    : Compiling entry function '_Z3onev' for 'sm_90a'
@@ -36,32 +43,49 @@ ptxas info    : Used 40 registers
 """
 
 
-def test_instructions_per_kernel_without_addresses_or_encodings():
+def code(*texts, encoding="0x0 0x0"):
+    return [(text, encoding) for text in texts]
+
+
+def test_instructions_and_encodings_per_kernel_without_the_padding():
     kernels = sass_diff.sass_by_kernel(CUOBJDUMP)
-    assert kernels == {"_Z3onev": ["LDC R1, c[0x0][0x28] ;", "S2R R0, SR_TID.X ;", "EXIT ;"],
-                       "_Z3twov": ["STG.E.128 desc[UR4][R2.64], R4 ;", "EXIT ;"]}
+    assert kernels == {
+        "_Z3onev": [("LDC R1, c[0x0][0x28] ;", "0x00000a00ff017b82 0x000fe40000000800"),
+                    ("S2R R0, SR_TID.X ;", "0x0000000000007919 0x000e220000002100"),
+                    ("EXIT ;", "0x000000000000794d 0x000fea0003800000")],
+        "_Z3twov": [("STG.E.128 desc[UR4][R2.64], R4 ;", "0x0000000402007986 0x000fe2000c101d04"),
+                    ("EXIT ;", "0x000000000000794d 0x000fea0003800000")]}
 
 
-def test_masking_keeps_opcodes_and_widths():
-    assert sass_diff.masked("@!P1 LDG.E.128 R4, desc[UR6][R2.64+0x10] ;") == "@!P LDG.E.128 R, desc[UR][R.64+N] ;"
-    assert sass_diff.masked("STG.E.128 desc[UR4][R6.64], R8 ;") != sass_diff.masked("STG.E.64 desc[UR4][R6.64], R8 ;")
+def test_masking_renumbers_registers_and_labels_only():
+    assert sass_diff.masked("@!P1 LDG.E.128 R4, desc[UR6][R2.64+0x10] ;") == "@!P LDG.E.128 R, desc[UR][R.64+0x10] ;"
     assert sass_diff.masked("BSSY B0, `(.L_x_12) ;") == "BSSY B, `(L) ;"
+    # Opcodes, widths, LOP3 tables and offsets stay.
+    assert sass_diff.masked("STG.E.128 desc[UR4][R6.64], R8 ;") != sass_diff.masked("STG.E.64 desc[UR4][R6.64], R8 ;")
+    assert sass_diff.masked("LOP3.LUT R0, R1, R2, R3, 0x78, !PT ;") != sass_diff.masked("LOP3.LUT R0, R1, R2, R3, 0xe0, !PT ;")
 
 
-def test_register_renaming_is_a_change_with_no_masked_lines():
-    a = {"k": ["FFMA R3, R2, 1.5, -R3 ;", "EXIT ;"], "same": ["EXIT ;"]}
-    b = {"k": ["FFMA R7, R6, 1.5, -R7 ;", "EXIT ;"], "same": ["EXIT ;"]}
-    assert sass_diff.compare(a, b) == [("k", 2, 2, 0, 0)]
+def test_register_renaming_and_scheduling_alone_are_changes_with_no_masked_lines():
+    a = {"k": code("FFMA R3, R2, 1.5, -R3 ;", "EXIT ;"), "same": code("EXIT ;")}
+    renamed = {"k": code("FFMA R7, R6, 1.5, -R7 ;", "EXIT ;"), "same": code("EXIT ;")}
+    rescheduled = {"k": code("FFMA R3, R2, 1.5, -R3 ;", "EXIT ;", encoding="0x0 0x1"), "same": code("EXIT ;")}
+    assert sass_diff.compare(a, renamed) == [("k", 2, 2, 0, 0)]
+    assert sass_diff.compare(a, rescheduled) == [("k", 2, 2, 0, 0)]
+    assert sass_diff.compare(a, a) == []
 
 
-def test_an_added_instruction_and_a_kernel_on_one_side_are_counted():
-    a = {"k": ["S2R R0, SR_TID.X ;", "EXIT ;"]}
-    b = {"k": ["S2R R0, SR_TID.X ;", "LDS R1, [R0] ;", "EXIT ;"], "new": ["EXIT ;"]}
-    assert sass_diff.compare(a, b) == [("k", 2, 3, 0, 1), ("new", 0, 1, 0, 1)]
+def test_changed_operations_added_instructions_and_one_sided_kernels_are_counted():
+    a = {"k": code("S2R R0, SR_TID.X ;", "LOP3.LUT R1, R0, R2, R3, 0x78, !PT ;", "EXIT ;")}
+    b = {"k": code("S2R R0, SR_TID.X ;", "LOP3.LUT R1, R0, R2, R3, 0xe0, !PT ;", "LDS R1, [R0] ;", "EXIT ;"),
+         "new": code("EXIT ;")}
+    assert sass_diff.compare(a, b) == [("k", 3, 4, 1, 2), ("new", 0, 1, 0, 1)]
 
 
-def test_ptxas_resources_take_the_entry_functions_own_spills():
-    assert sass_diff.ptxas_resources(PTXAS) == {"_Z3onev": (128, 4, 8), "_Z3twov": (40, 0, 0)}
+def test_ptxas_resources_take_the_entry_functions_own_properties():
+    assert sass_diff.ptxas_resources(PTXAS) == {
+        "_Z3onev": {"registers": 128, "usage": "used 1 barriers, 256 bytes smem", "stack": 8, "spill_stores": 4,
+                    "spill_loads": 8},
+        "_Z3twov": {"registers": 40, "usage": "", "stack": 0, "spill_stores": 0, "spill_loads": 0}}
 
 
 def test_sources_to_compile(tmp_path):
@@ -72,6 +96,7 @@ def test_sources_to_compile(tmp_path):
             (directory / name).write_text(f"// {name}\n")
     assert sass_diff.sources_to_compile(str(a), str(b)) == []
     (b / "two.cu").write_text("// changed\n")
-    assert sass_diff.sources_to_compile(str(a), str(b)) == ["two.cu"]
+    (b / "three.cu").write_text("// new\n")
+    assert sass_diff.sources_to_compile(str(a), str(b)) == ["three.cu", "two.cu"]
     (b / "common.cuh").write_text("// changed\n")
-    assert sass_diff.sources_to_compile(str(a), str(b)) == ["one.cu", "two.cu"]
+    assert sass_diff.sources_to_compile(str(a), str(b)) == ["one.cu", "three.cu", "two.cu"]

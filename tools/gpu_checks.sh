@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then
   sed -n '2,/^set /p' "$0" | grep '^#' | sed -E 's/^# ?//'; exit 0
 fi
-for stage in "$@"; do
+for stage in $*; do  # unquoted: "tests sanitize" as one argument names two stages
   case "$stage" in build|tests|sanitize|bench|suite|nets) ;;
     *) echo "gpu_checks: unknown stage '$stage' (stages: build tests sanitize bench suite nets)" >&2; exit 2 ;;
   esac
