@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_channels_last_cluster_kern
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and a team size
 // the device can run: a cluster of at most kMaxClusterSize CTAs, or at most the
 // resident CTAs for a cooperative team (the launcher checks).
-template <typename T, int THREADS, int VALUES_PER_THREAD, typename STORE, typename Team>
+template <typename T, int THREADS, int VALUES_PER_THREAD, typename STORE, bool EARLY_AFFINE, typename Team>
 __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const Team& team) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
@@ -603,6 +603,11 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const int64_t next = slice + num_teams;
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const SliceShift shift = SliceShift::of(first_value);
+    // EARLY_AFFINE: the slice's weight and bias are loaded here, ahead of the next
+    // slice's copies; loaded after the allreduce they wait behind those copies
+    // (docs/perf-notes.md #154, #155).
+    float2 early_affine = make_float2(1.f, 0.f);
+    if constexpr (EARLY_AFFINE) early_affine = slice_affine(p, slice);
 
     // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
     // dtype, so a 16-bit CTA holds twice the values of a float32 one); 16-bit values
@@ -664,7 +669,9 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     if (next < num_slices && stages_late) stage(staged_column, next);
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
-    const float2 affine = slice_affine(p, slice);  // here, not held through the passes
+    // Without EARLY_AFFINE (no weight and no bias: 1 and 0) the pair is loaded here,
+    // not held through the passes.
+    const float2 affine = EARLY_AFFINE ? early_affine : slice_affine(p, slice);
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
@@ -694,21 +701,26 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
 // per activation: its stores unpack each vector again, and a switch over the
 // activation there grew the kernel fivefold, and the store loops of all activations
 // in one kernel spilled (docs/perf-notes.md #115, #118, #132).
-template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, typename STORE>
+// EARLY_AFFINE: problems with a weight or a bias and no epilogue take kernels of their
+// own, whose rounds load the pair at the top. The plain kernels (false) keep their
+// machine code: edits of the round have laid it out anew at up to 13% of its time
+// (docs/perf-notes.md #154, #155).
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, typename STORE, bool EARLY_AFFINE>
 __global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
-  with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD),
-                  [&](const auto& team) { forward_resident<T, THREADS, VALUES_PER_THREAD, STORE>(p, team); });
+  with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD), [&](const auto& team) {
+    forward_resident<T, THREADS, VALUES_PER_THREAD, STORE, EARLY_AFFINE>(p, team);
+  });
 }
 
-template <typename T, int THREADS, int VALUES, typename STORE>
+template <typename T, int THREADS, int VALUES, typename STORE, bool EARLY_AFFINE>
 constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
           THREADS * VALUES * static_cast<int>(sizeof(T)),
           static_cast<int>(sizeof(SliceStats)),
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, STORE>,
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, STORE>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, STORE, EARLY_AFFINE>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, STORE, EARLY_AFFINE>,
           false};
 }
 
@@ -716,18 +728,23 @@ constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
 // slice per CTA, one CTA per SM. A 512 x 512 slice takes a cluster of 8 in fp32 (64
 // values per thread) and of 4 in fp16/bf16 (128 values per thread)
 // (docs/perf-notes.md compares shapes). PLAIN: without an epilogue; else with
-// activation A (kNone: the residual alone).
-template <bool PLAIN, Activation A = Activation::kNone>
+// activation A (kNone: the residual alone). EARLY_AFFINE: see forward_resident_kernel.
+template <bool PLAIN, Activation A = Activation::kNone, bool EARLY_AFFINE = false>
 constexpr ResidentVariant<ForwardProblem> kResidentVariants[] = {
-    resident_variant<float, 512, 64, std::conditional_t<PLAIN, NoEpilogue, DynamicEpilogue>>(DType::kFloat32),
-    resident_variant<__half, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>>(DType::kFloat16),
-    resident_variant<__nv_bfloat16, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>>(
-        DType::kBFloat16),
+    resident_variant<float, 512, 64, std::conditional_t<PLAIN, NoEpilogue, DynamicEpilogue>, EARLY_AFFINE>(
+        DType::kFloat32),
+    resident_variant<__half, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>, EARLY_AFFINE>(
+        DType::kFloat16),
+    resident_variant<__nv_bfloat16, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>,
+                     EARLY_AFFINE>(DType::kBFloat16),
 };
 
-// The resident variant of p's dtype and epilogue.
+// The resident variant of p's dtype, parameters and epilogue.
 const ResidentVariant<ForwardProblem>& resident_variant_for(const ForwardProblem& p) {
-  if (!p.epilogue.active()) return variant_for(kResidentVariants<true>, p.dtype);
+  if (!p.epilogue.active()) {
+    const bool affine = p.weight != nullptr || p.bias != nullptr;
+    return variant_for(affine ? kResidentVariants<true, Activation::kNone, true> : kResidentVariants<true>, p.dtype);
+  }
   const ResidentVariant<ForwardProblem>* variant = &variant_for(kResidentVariants<false>, p.dtype);
   dispatch_activation(p.epilogue.activation, [&](auto activation) {
     variant = &variant_for(kResidentVariants<false, decltype(activation)::value>, p.dtype);

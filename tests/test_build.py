@@ -43,8 +43,12 @@ def nvcc():
 # (docs/perf-notes.md #98a-#100). The 16-bit resident forward compiled with an
 # activation (ActivationEpilogue, one kernel per activation, its store loop with and
 # without the residual): up to 36 bytes stored and 72 loaded on sm_90a, the GELU and
-# SiLU kernels; the cluster ReLU kernels none (docs/perf-notes.md #132).
+# SiLU kernels; the cluster ReLU kernels none (docs/perf-notes.md #132). The cooperative
+# resident forward with the weight and bias loaded at the round's top (EARLY_AFFINE, Lb1E):
+# 8 bytes in float32, 16 in float16 on sm_90a, with affine's cost gone all the same
+# (docs/perf-notes.md #155). The first pattern that matches a kernel gives its bound.
 SPILL_ALLOWANCE = {r"forward_resident_kernelI(6__half|13__nv_bfloat16).*ActivationEpilogue": 72,
+                   r"forward_resident_kernelI.*TeamKindE1ENS_10NoEpilogueELb1E": 16,
                    r"forward_resident_kernelI(6__half|13__nv_bfloat16).*TeamKindE1E": 8,
                    # The resident backward with an activation's derivative (ActivationE1-5).
                    r"backward_resident_kernelI.*ActivationE[1-5]E": 40,
