@@ -5,6 +5,7 @@ of it, and a plain device copy of the same tensor (the speed limit), in one proc
     python bench.py --suite [--dtypes float32,bfloat16]
     python bench.py --backward [--suite]
     python bench.py [--backward] --activation relu
+    python bench.py [--backward] --affine
     python bench.py --sweep [--quick] [--budget-gb 2] [--compile-mode dynamic] [--plot PATH]
     common: [--runs 30] [--warmup 3] [--no-compile] [--json PATH]
 
@@ -26,6 +27,9 @@ dy, write dx) plus, for forward + backward, the forward's copy.
 --activation NAME adds ours with that activation fused (the layer's activation=)
 against the same module's plain rows and PyTorch's norm followed by the activation
 (checked against it first).
+--affine adds ours and PyTorch's with affine=True (the same random weight and bias, in
+the input's dtype), checked against each other first; affine's cost is that row over
+ours.
 --sweep times forward and forward + backward over a grid of slice count x slice size
 x dtype x layout x affine against the copy, eager, torch.compile and FlagGems (where
 installed), and reports the worst cells (benchmarks/sweep.py describes it).
@@ -98,10 +102,28 @@ def fused_modules(solution, x, args):
     return [(f"ours + {args.activation} fused", ours, lambda t: act(eager(t)), f"eager + {args.activation}")]
 
 
-def modules(solution, shape, dtype):
-    """(ours, PyTorch's) InstanceNorm of the input's rank, affine=False as in the harness."""
+def affine_modules(solution, x, args):
+    """[(name, ours with affine=True, PyTorch's with affine=True, its name)] for
+    --affine (empty without it): the same weight and bias in both, drawn at random, in
+    the input's dtype as a module moved with .to(dtype) has them."""
+    if not args.affine:
+        return []
+    ours, eager = modules(solution, x.shape, x.dtype, affine=True)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            value = torch.randn(x.shape[1], device="cuda", generator=generator) * 0.5 + (1.0 if name == "weight" else 0.0)
+            getattr(ours, name).copy_(value)
+            getattr(eager, name).copy_(value)
+    return [("ours affine", ours, eager, "eager affine")]
+
+
+def modules(solution, shape, dtype, affine=False):
+    """(ours, PyTorch's) InstanceNorm of the input's rank, affine=False as in the harness
+    unless asked."""
     name = {3: "InstanceNorm1d", 4: "InstanceNorm2d", 5: "InstanceNorm3d"}[len(shape)]
-    return getattr(solution, name)(shape[1]).to("cuda", dtype), getattr(torch.nn, name)(shape[1]).to("cuda", dtype)
+    return (getattr(solution, name)(shape[1], affine=affine).to("cuda", dtype),
+            getattr(torch.nn, name)(shape[1], affine=affine).to("cuda", dtype))
 
 
 def forward_rows(solution, x, args):
@@ -127,7 +149,7 @@ def forward_rows(solution, x, args):
             if not good:
                 raise SystemExit(f"bench.py: path {path} differs from PyTorch; no speed reported")
             rows.append((f"path {path}", lambda path=path: solution._EXT.forward(x, path=path)))
-    for name, fused, composed, composed_name in fused_modules(solution, x, args):
+    for name, fused, composed, composed_name in fused_modules(solution, x, args) + affine_modules(solution, x, args):
         with torch.no_grad():
             if not torch.allclose(fused(x), composed(x), atol=tolerance, rtol=tolerance):
                 raise SystemExit(f"bench.py: {name} differs from PyTorch; no speed reported")
@@ -143,7 +165,7 @@ def backward_rows(solution, x, args):
     dy = torch.rand_like(x) - 0.5
     copy_out = torch.empty_like(x)
     candidates = [("ours", ours), ("eager", eager)]
-    for name, fused, composed, composed_name in fused_modules(solution, x, args):
+    for name, fused, composed, composed_name in fused_modules(solution, x, args) + affine_modules(solution, x, args):
         xc = x.detach().requires_grad_()
         want = torch.autograd.grad(composed(xc), xc, dy)[0]
         got = torch.autograd.grad(fused(xc), xc, dy)[0]
@@ -242,6 +264,8 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--activation", choices=sorted(ACTIVATION_FUNCTIONS),
                         help="also time ours with this activation fused, against PyTorch's norm then it")
+    parser.add_argument("--affine", action="store_true",
+                        help="also time ours and PyTorch's with affine=True (random weight and bias in the input's dtype)")
     parser.add_argument("--sweep", action="store_true", help="time the grid of benchmarks/sweep.py instead")
     parser.add_argument("--quick", action="store_true", help="with --sweep: its QUICK subset of the grid")
     parser.add_argument("--budget-gb", type=float, default=2.0, help="with --sweep: the largest input, GB (default 2)")
