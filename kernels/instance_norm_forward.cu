@@ -604,8 +604,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const SliceShift shift = SliceShift::of(first_value);
     // EARLY_AFFINE: the slice's weight and bias are loaded here, ahead of the next
-    // slice's copies; loaded after the allreduce they wait behind those copies
-    // (docs/perf-notes.md #154, #155).
+    // slice's copies; loaded after the allreduce, the pair cost 4-9% of the seed
+    // shape's forward (docs/perf-notes.md #154, #155).
     float2 early_affine = make_float2(1.f, 0.f);
     if constexpr (EARLY_AFFINE) early_affine = slice_affine(p, slice);
 
@@ -669,8 +669,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     if (next < num_slices && stages_late) stage(staged_column, next);
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
-    // Without EARLY_AFFINE (no weight and no bias: 1 and 0) the pair is loaded here,
-    // not held through the passes.
+    // Without EARLY_AFFINE (problems with no weight and no bias, and every problem
+    // with an epilogue) the pair is loaded here, not held through the passes.
     const float2 affine = EARLY_AFFINE ? early_affine : slice_affine(p, slice);
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
@@ -704,7 +704,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
 // EARLY_AFFINE: problems with a weight or a bias and no epilogue take kernels of their
 // own, whose rounds load the pair at the top. The plain kernels (false) keep their
 // machine code: edits of the round have laid it out anew at up to 13% of its time
-// (docs/perf-notes.md #154, #155).
+// (docs/perf-notes.md #154, #155). Both must keep the same resources (registers,
+// shared memory): chosen_path and path_supported plan a problem without parameters.
 template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, typename STORE, bool EARLY_AFFINE>
 __global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
   with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD), [&](const auto& team) {
