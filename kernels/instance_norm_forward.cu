@@ -604,8 +604,8 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const SliceShift shift = SliceShift::of(first_value);
     // EARLY_AFFINE: the slice's weight and bias are loaded here, ahead of the next
-    // slice's copies; loaded after the allreduce, the pair cost 4-9% of the seed
-    // shape's forward (docs/perf-notes.md #154, #155).
+    // slice's copies; loaded after the allreduce, its latency showed in the forward's
+    // time (docs/perf-notes.md #154, #155).
     float2 early_affine = make_float2(1.f, 0.f);
     if constexpr (EARLY_AFFINE) early_affine = slice_affine(p, slice);
 
@@ -703,7 +703,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
 // in one kernel spilled (docs/perf-notes.md #115, #118, #132).
 // EARLY_AFFINE: problems with a weight or a bias and no epilogue take kernels of their
 // own, whose rounds load the pair at the top. The plain kernels (false) keep their
-// machine code: edits of the round have laid it out anew at up to 13% of its time
+// machine code: edits of the round have laid it out anew and slowed it
 // (docs/perf-notes.md #154, #155). Both must keep the same resources (registers,
 // shared memory): chosen_path and path_supported plan a problem without parameters.
 template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, typename STORE, bool EARLY_AFFINE>

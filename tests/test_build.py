@@ -45,9 +45,9 @@ def nvcc():
 # without the residual): up to 36 bytes stored and 72 loaded on sm_90a, the GELU and
 # SiLU kernels; the cluster ReLU kernels none (docs/perf-notes.md #132). The cooperative
 # resident forward with the weight and bias loaded at the round's top (EARLY_AFFINE, Lb1E):
-# on sm_90a 8 bytes in float32 and bfloat16, 16 in float16 (on sm_80 0, 8 and 8); forced,
-# that path's affine cost still fell, 2.1% -> 0 in float32 and 3.2% -> 2.6% in bfloat16
-# (docs/perf-notes.md #155). The first pattern that matches a kernel gives its bound.
+# on sm_90a 8 bytes in float32 and bfloat16, 16 in float16 (on sm_80 0, 8 and 8); with
+# them, the forced cooperative path's affine cost still fell (docs/perf-notes.md #155).
+# The first pattern that matches a kernel gives its bound.
 SPILL_ALLOWANCE = {r"forward_resident_kernelI(6__half|13__nv_bfloat16).*ActivationEpilogue": 72,
                    r"forward_resident_kernelI.*TeamKindE1ENS_10NoEpilogueELb1E": 16,
                    r"forward_resident_kernelI(6__half|13__nv_bfloat16).*TeamKindE1E": 8,
