@@ -500,12 +500,49 @@ struct BlockAllReduce {
 template <int THREADS>
 using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 
+// A per-channel parameter (weight or bias, values != nullptr) of `dtype`: its value's
+// bits as loaded (16 or 32 of them), then that value as float32.
+__device__ __forceinline__ unsigned channel_bits(const void* values, DType dtype, int64_t channel) {
+  return dtype == DType::kFloat32 ? __ldg(static_cast<const unsigned*>(values) + channel)
+                                  : __ldg(static_cast<const unsigned short*>(values) + channel);
+}
+
+__device__ __forceinline__ float channel_float(unsigned bits, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    case DType::kBFloat16: return __uint_as_float(bits << 16);
+    default: return __uint_as_float(bits);
+  }
+}
+
 // Per-channel affine of slice `slice` of a forward problem: y = (x - mean) * rstd *
-// weight + bias.
-__device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
+// weight + bias (weight 1 and bias 0 where absent), the parameters read as `dtype`:
+// p.parameter_dtype, or a constant where the kernel knows it (the switch then folds
+// away).
+__device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice, DType dtype) {
   const int64_t channel = slice % p.num_channels;
-  return make_float2(p.weight != nullptr ? __ldg(p.weight + channel) : 1.f,
-                     p.bias != nullptr ? __ldg(p.bias + channel) : 0.f);
+  return make_float2(p.weight != nullptr ? channel_float(channel_bits(p.weight, dtype, channel), dtype) : 1.f,
+                     p.bias != nullptr ? channel_float(channel_bits(p.bias, dtype, channel), dtype) : 0.f);
+}
+
+__device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
+  return slice_affine(p, slice, p.parameter_dtype);
+}
+
+// The weight and bias of slice `slice` as stored, P their type (the kernel's
+// compile-time knowledge of p.parameter_dtype); 1 and 0 where absent. For kernels
+// that load the pair early and convert it (Storage<P>::to_float) where they use it:
+// a 16-bit conversion right after the load would wait for the load there.
+template <typename P>
+struct StoredPair {
+  P weight, bias;
+};
+
+template <typename P>
+__device__ __forceinline__ StoredPair<P> slice_parameters(const ForwardProblem& p, int64_t slice) {
+  const int64_t channel = slice % p.num_channels;
+  return {p.weight != nullptr ? __ldg(static_cast<const P*>(p.weight) + channel) : Storage<P>::from_float(1.f),
+          p.bias != nullptr ? __ldg(static_cast<const P*>(p.bias) + channel) : Storage<P>::from_float(0.f)};
 }
 
 // ---- Fused epilogues (Epilogue in instance_norm.h) ----

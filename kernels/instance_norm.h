@@ -107,9 +107,15 @@ struct ForwardProblem {
   int64_t batch;
   int64_t num_channels;
   int64_t spatial;
-  const float* weight;  // [num_channels] float32, or nullptr for 1
-  const float* bias;    // [num_channels] float32, or nullptr for 0
+  // [num_channels] contiguous values of parameter_dtype, or nullptr: weight 1, bias 0.
+  const void* weight;
+  const void* bias;
   float eps;
+  // The dtype of weight and bias (both, where both are given): float32 or `dtype`.
+  // The kernels convert each value to float32 once per slice, so parameters of a
+  // 16-bit input's dtype need no cast per call. In the 4 bytes of padding after eps:
+  // the struct's size and every other field's offset are as without it.
+  DType parameter_dtype;
   // Optional outputs, [batch * num_channels] float32 or nullptr: each slice's mean
   // and rstd (saved for backward and for the running statistics). Written only
   // when the slice's own statistics are used (running_mean == nullptr).

@@ -753,20 +753,53 @@ instance_norm::Layout check_kernel_input(const at::Tensor& input) {
   return *layout;
 }
 
-// A channel tensor (weight, bias, running statistics): None, or C values on the
-// input's device; returned as contiguous float32 (no copy when it is one).
+// A channel tensor (weight, bias, running statistics) is C values on the input's
+// device (an internal invariant: the front checks it for users).
+void check_channel(const at::Tensor& value, const char* name, const at::Tensor& input) {
+  TORCH_CHECK(value.device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
+              value.device());
+  TORCH_CHECK(value.numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
+              text(value.numel()));
+}
+
+// A channel tensor, or None, as contiguous float32 (no copy when it is one).
 std::optional<at::Tensor> channel_float32(const std::optional<at::Tensor>& value, const char* name,
                                           const at::Tensor& input) {
   if (!value.has_value()) return std::nullopt;
-  TORCH_CHECK(value->device() == input.device(), name, " must be on the input's device ", input.device(), ", got ",
-              value->device());
-  TORCH_CHECK(value->numel() == input.size(1), name, " must have C = ", text(input.size(1)), " elements, got ",
-              text(value->numel()));
+  check_channel(*value, name, input);
   // A float32 contiguous tensor as it is: to() and contiguous() would return it too,
   // through a dispatcher call.
   if (value->scalar_type() == at::kFloat && value->is_contiguous()) return *value;
   return value->to(at::kFloat).contiguous();
 }
+
+// weight and bias (each None or a channel tensor) as the forward kernels read them:
+// as they are where those given are contiguous and of one dtype, float32 or the
+// input's (parameters of a 16-bit input's dtype need no cast per call), else each as
+// contiguous float32. The caller keeps the tensors alive over the launch.
+struct ForwardParameters {
+  std::optional<at::Tensor> weight, bias;
+  instance_norm::DType dtype = instance_norm::DType::kFloat32;
+
+  ForwardParameters(const std::optional<at::Tensor>& weight_in, const std::optional<at::Tensor>& bias_in,
+                    const at::Tensor& input) {
+    if (weight_in) check_channel(*weight_in, "weight", input);
+    if (bias_in) check_channel(*bias_in, "bias", input);
+    const std::optional<at::Tensor>& given = weight_in ? weight_in : bias_in;
+    const auto as_is = [&](const std::optional<at::Tensor>& value) {
+      return !value || (value->scalar_type() == given->scalar_type() && value->is_contiguous());
+    };
+    const auto kernel_reads = [&](at::ScalarType dtype) { return dtype == at::kFloat || dtype == input.scalar_type(); };
+    if (given && kernel_reads(given->scalar_type()) && as_is(weight_in) && as_is(bias_in)) {
+      weight = weight_in;
+      bias = bias_in;
+      dtype = storage_dtype(*given);
+    } else {
+      weight = channel_float32(weight_in, "weight", input);
+      bias = channel_float32(bias_in, "bias", input);
+    }
+  }
+};
 
 int64_t spatial_size(const at::Tensor& input) {
   int64_t spatial = 1;
@@ -775,8 +808,7 @@ int64_t spatial_size(const at::Tensor& input) {
 }
 
 instance_norm::ForwardProblem make_problem(const at::Tensor& input, instance_norm::Layout layout,
-                                           const std::optional<at::Tensor>& weight,
-                                           const std::optional<at::Tensor>& bias, double eps) {
+                                           const ForwardParameters& parameters, double eps) {
   instance_norm::ForwardProblem problem{};
   problem.x = input.data_ptr();
   problem.dtype = storage_dtype(input);
@@ -784,8 +816,9 @@ instance_norm::ForwardProblem make_problem(const at::Tensor& input, instance_nor
   problem.batch = input.size(0);
   problem.num_channels = input.size(1);
   problem.spatial = spatial_size(input);
-  problem.weight = weight ? weight->data_ptr<float>() : nullptr;
-  problem.bias = bias ? bias->data_ptr<float>() : nullptr;
+  problem.weight = parameters.weight ? parameters.weight->data_ptr() : nullptr;
+  problem.bias = parameters.bias ? parameters.bias->data_ptr() : nullptr;
+  problem.parameter_dtype = parameters.dtype;
   problem.eps = static_cast<float>(eps);
   return problem;
 }
@@ -865,13 +898,13 @@ instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tens
 
 // What every forward launch of `x` needs: its output (allocated before any other
 // buffer of the call, so that tests which poison the block a same-sized output will
-// take see it land there), weight and bias as float32 (kept alive here), and the
-// problem pointing at them. x is checked first, before anything is allocated;
-// members are initialized in this order.
+// take see it land there), weight and bias as the kernels read them (kept alive
+// here), and the problem pointing at them. x is checked first, before anything is
+// allocated; members are initialized in this order.
 struct ForwardCall {
   instance_norm::Layout layout;
   at::Tensor output;
-  std::optional<at::Tensor> weight_f32, bias_f32;
+  ForwardParameters parameters;
   at::Tensor residual;  // the epilogue's residual as the kernels read it (see kernel_epilogue)
   instance_norm::ForwardProblem problem;
 
@@ -879,9 +912,8 @@ struct ForwardCall {
               double eps, const EpilogueArgs& epilogue)
       : layout(check_kernel_input(x)),
         output(dense_like(x)),
-        weight_f32(channel_float32(weight, "weight", x)),
-        bias_f32(channel_float32(bias, "bias", x)),
-        problem(make_problem(x, layout, weight_f32, bias_f32, eps)) {
+        parameters(weight, bias, x),
+        problem(make_problem(x, layout, parameters, eps)) {
     problem.epilogue = kernel_epilogue(epilogue, x, residual);
   }
 };
@@ -1122,7 +1154,8 @@ std::optional<instance_norm::ForwardPlan> query_plan(const at::Tensor& input, in
   const instance_norm::Layout layout = check_kernel_input(x);
   if (path < 0 || path >= instance_norm::kNumForwardPaths) return std::nullopt;
   const c10::cuda::CUDAGuard device_guard(x.device());
-  return instance_norm::plan_forward(make_problem(x, layout, {}, {}, 0.0), static_cast<instance_norm::ForwardPath>(path));
+  const ForwardParameters none(std::nullopt, std::nullopt, x);
+  return instance_norm::plan_forward(make_problem(x, layout, none, 0.0), static_cast<instance_norm::ForwardPath>(path));
 }
 
 // The path forward(input, ..., path=0) takes for this input on its device.

@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_channels_last_cluster_kern
 // spatial % Storage<T>::kPerVector == 0, 16-byte aligned x and y, and a team size
 // the device can run: a cluster of at most kMaxClusterSize CTAs, or at most the
 // resident CTAs for a cooperative team (the launcher checks).
-template <typename T, int THREADS, int VALUES_PER_THREAD, typename STORE, bool EARLY_AFFINE, typename Team>
+template <typename T, int THREADS, int VALUES_PER_THREAD, typename STORE, bool EARLY_AFFINE, typename P, typename Team>
 __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const Team& team) {
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
@@ -603,11 +603,11 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const int64_t next = slice + num_teams;
     const float next_first_value = next < num_slices ? S::to_float(x[next * spatial]) : 0.f;
     const SliceShift shift = SliceShift::of(first_value);
-    // EARLY_AFFINE: the slice's weight and bias are loaded here, ahead of the next
-    // slice's copies; loaded after the allreduce, its latency showed in the forward's
-    // time (docs/perf-notes.md #154, #155).
-    float2 early_affine = make_float2(1.f, 0.f);
-    if constexpr (EARLY_AFFINE) early_affine = slice_affine(p, slice);
+    // EARLY_AFFINE: the slice's weight and bias (of type P) are loaded here, ahead of
+    // the next slice's copies, and converted after the allreduce; loaded there, their
+    // latency showed in the forward's time (docs/perf-notes.md #154, #155, #157).
+    StoredPair<P> early_affine{};
+    if constexpr (EARLY_AFFINE) early_affine = slice_parameters<P>(p, slice);
 
     // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
     // dtype, so a 16-bit CTA holds twice the values of a float32 one); 16-bit values
@@ -670,8 +670,14 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const float mean = stats.mean;
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
     // Without EARLY_AFFINE (problems with no weight and no bias, and every problem
-    // with an epilogue) the pair is loaded here, not held through the passes.
-    const float2 affine = EARLY_AFFINE ? early_affine : slice_affine(p, slice);
+    // with an epilogue) the pair is loaded here, not held through the passes. The
+    // plain kernels serve problems without parameters (resident_variant_for): there
+    // the dtype is a constant, which folds its switch away and keeps their machine
+    // code (docs/perf-notes.md #157).
+    constexpr bool kPlain = cuda::std::is_same_v<STORE, NoEpilogue> && !EARLY_AFFINE;
+    const float2 affine = EARLY_AFFINE ? make_float2(Storage<P>::to_float(early_affine.weight),
+                                                     Storage<P>::to_float(early_affine.bias))
+                                       : slice_affine(p, slice, kPlain ? DType::kFloat32 : p.parameter_dtype);
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);
@@ -706,22 +712,26 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
 // machine code: edits of the round have laid it out anew and slowed it
 // (docs/perf-notes.md #154, #155). Both must keep the same resources (registers,
 // shared memory): chosen_path and path_supported plan a problem without parameters.
-template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, typename STORE, bool EARLY_AFFINE>
+// P: the type of the parameters an EARLY_AFFINE kernel reads, float or T (a run-time
+// test of the dtype in the round laid the kernels out anew and slowed them,
+// docs/perf-notes.md #157); float in the other kernels, which read the pair late.
+template <typename T, int THREADS, int VALUES_PER_THREAD, TeamKind TEAM, typename STORE, bool EARLY_AFFINE,
+          typename P>
 __global__ void __launch_bounds__(THREADS, 1) forward_resident_kernel(const ForwardProblem p) {
   with_team<TEAM>(p.workspace, team_size_for(p.spatial, THREADS * VALUES_PER_THREAD), [&](const auto& team) {
-    forward_resident<T, THREADS, VALUES_PER_THREAD, STORE, EARLY_AFFINE>(p, team);
+    forward_resident<T, THREADS, VALUES_PER_THREAD, STORE, EARLY_AFFINE, P>(p, team);
   });
 }
 
-template <typename T, int THREADS, int VALUES, typename STORE, bool EARLY_AFFINE>
+template <typename T, int THREADS, int VALUES, typename STORE, bool EARLY_AFFINE, typename P>
 constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
   return {dtype,
           THREADS,
           THREADS * VALUES,
           THREADS * VALUES * static_cast<int>(sizeof(T)),
           static_cast<int>(sizeof(SliceStats)),
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, STORE, EARLY_AFFINE>,
-          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, STORE, EARLY_AFFINE>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCluster, STORE, EARLY_AFFINE, P>,
+          forward_resident_kernel<T, THREADS, VALUES, TeamKind::kCooperative, STORE, EARLY_AFFINE, P>,
           false};
 }
 
@@ -729,22 +739,26 @@ constexpr ResidentVariant<ForwardProblem> resident_variant(DType dtype) {
 // slice per CTA, one CTA per SM. A 512 x 512 slice takes a cluster of 8 in fp32 (64
 // values per thread) and of 4 in fp16/bf16 (128 values per thread)
 // (docs/perf-notes.md compares shapes). PLAIN: without an epilogue; else with
-// activation A (kNone: the residual alone). EARLY_AFFINE: see forward_resident_kernel.
-template <bool PLAIN, Activation A = Activation::kNone, bool EARLY_AFFINE = false>
+// activation A (kNone: the residual alone). EARLY_AFFINE: see forward_resident_kernel;
+// INPUT_PARAMETERS: its parameters of the input's dtype, else float32.
+template <bool PLAIN, Activation A = Activation::kNone, bool EARLY_AFFINE = false, bool INPUT_PARAMETERS = false>
 constexpr ResidentVariant<ForwardProblem> kResidentVariants[] = {
-    resident_variant<float, 512, 64, std::conditional_t<PLAIN, NoEpilogue, DynamicEpilogue>, EARLY_AFFINE>(
+    resident_variant<float, 512, 64, std::conditional_t<PLAIN, NoEpilogue, DynamicEpilogue>, EARLY_AFFINE, float>(
         DType::kFloat32),
-    resident_variant<__half, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>, EARLY_AFFINE>(
-        DType::kFloat16),
+    resident_variant<__half, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>, EARLY_AFFINE,
+                     std::conditional_t<INPUT_PARAMETERS, __half, float>>(DType::kFloat16),
     resident_variant<__nv_bfloat16, 512, 128, std::conditional_t<PLAIN, NoEpilogue, ActivationEpilogue<A>>,
-                     EARLY_AFFINE>(DType::kBFloat16),
+                     EARLY_AFFINE, std::conditional_t<INPUT_PARAMETERS, __nv_bfloat16, float>>(DType::kBFloat16),
 };
 
-// The resident variant of p's dtype, parameters and epilogue.
+// The resident variant of p's dtype, parameters and epilogue. Parameters are float32
+// or of the input's dtype (ForwardProblem::parameter_dtype).
 const ResidentVariant<ForwardProblem>& resident_variant_for(const ForwardProblem& p) {
   if (!p.epilogue.active()) {
-    const bool affine = p.weight != nullptr || p.bias != nullptr;
-    return variant_for(affine ? kResidentVariants<true, Activation::kNone, true> : kResidentVariants<true>, p.dtype);
+    if (p.weight == nullptr && p.bias == nullptr) return variant_for(kResidentVariants<true>, p.dtype);
+    return p.parameter_dtype == DType::kFloat32
+               ? variant_for(kResidentVariants<true, Activation::kNone, true>, p.dtype)
+               : variant_for(kResidentVariants<true, Activation::kNone, true, true>, p.dtype);
   }
   const ResidentVariant<ForwardProblem>* variant = &variant_for(kResidentVariants<false>, p.dtype);
   dispatch_activation(p.epilogue.activation, [&](auto activation) {

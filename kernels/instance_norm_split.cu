@@ -390,9 +390,8 @@ __device__ __forceinline__ void store_slice_stats(const ForwardProblem& p, int64
     rstd = slice_shift_scale.rstd(slice_shift_scale.rstd_of_d(total.m2, static_cast<float>(p.spatial), p.eps));
     save_slice_stats(p, slice, slice_shift_scale.mean(total.mean), rstd);
   }
-  const float weight = p.weight != nullptr ? __ldg(p.weight + channel) : 1.f;
-  const float bias = p.bias != nullptr ? __ldg(p.bias + channel) : 0.f;
-  slice_stats[slice] = make_float4(shift, mean, rstd * weight, bias);
+  const float2 affine = slice_affine(p, slice);
+  slice_stats[slice] = make_float4(shift, mean, rstd * affine.x, affine.y);
 }
 
 template <typename T, bool CTA_PER_SLICE>

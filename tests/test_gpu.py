@@ -128,11 +128,13 @@ def test_affine_matches_float64(solution, dtype, shape):
     check_paths(solution, x, weight=None, bias=bias)
 
 
-# weight and bias of another dtype than x, or strided: the kernels read float32,
-# float16 and bfloat16 parameters as they are and convert each value as they load
-# it; other dtypes and strides go through a float32 copy.
+# weight and bias of another dtype than x, or strided: the forward kernels read
+# contiguous parameters of float32 or of the input's dtype as they are (the input's
+# dtype: test_affine_matches_float64); other dtypes, mixed ones and strides go through
+# a float32 copy.
 PARAMETER_CASES = [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16),
-                   (torch.float16, torch.float32), (torch.float32, torch.float64), (torch.bfloat16, "strided")]
+                   (torch.float16, torch.float32), (torch.float32, torch.float64), (torch.bfloat16, "strided"),
+                   (torch.float16, "mixed")]
 
 
 @pytest.mark.parametrize("dtype, parameter_dtype", PARAMETER_CASES, ids=str)
@@ -147,6 +149,9 @@ def test_parameters_of_any_float_dtype_match_float64(solution, dtype, parameter_
         weight = torch.randn(2 * shape[1], device="cuda").to(dtype)[::2]
         bias = torch.randn(2 * shape[1], device="cuda").to(dtype)[1::2]
         assert not weight.is_contiguous()
+    elif parameter_dtype == "mixed":  # weight of the input's dtype, bias float32
+        weight = torch.randn(shape[1], device="cuda").to(dtype)
+        bias = torch.randn(shape[1], device="cuda")
     else:
         weight = torch.randn(shape[1], device="cuda").to(parameter_dtype)
         bias = torch.randn(shape[1], device="cuda").to(parameter_dtype)

@@ -101,6 +101,21 @@ def test_relu_keeps_nan_as_torch_relu(solution, dtype):
                                        msg=lambda m: f"{tuple(x.shape)} path {path}: {m}")
 
 
+@pytest.mark.parametrize("activation", ("relu", "gelu_tanh"), ids=str)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_forward_epilogue_reads_16bit_parameters(solution, activation, dtype):
+    """Weight and bias of the input's 16-bit dtype, which the forward kernels read as
+    they are: every path, with a residual, against float64 of the same parameters."""
+    for x, weight, bias, residual in cases(dtype, True, 59):
+        weight, bias = weight.to(dtype), bias.to(dtype)
+        expected = reference64(x, weight, bias, residual, activation)
+        for path in [p for p in FORWARD_PATHS if solution._EXT.path_supported(x, p)]:
+            out, _ = run_poisoned(lambda: solution._EXT.forward_with_stats(
+                x, weight, bias, path=path, activation=activation, residual=residual), x)
+            torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=1e-2,
+                                       msg=lambda m: f"{tuple(x.shape)} path {path}: {m}")
+
+
 def gradients64(x, weight, bias, residual, activation, dy):
     leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
     r64 = residual.detach().double().requires_grad_() if residual is not None else None
