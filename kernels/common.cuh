@@ -500,33 +500,33 @@ struct BlockAllReduce {
 template <int THREADS>
 using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 
-// A per-channel parameter (weight or bias, values != nullptr) of `dtype`: its value's
-// bits as loaded (16 or 32 of them), then that value as float32.
-__device__ __forceinline__ unsigned channel_bits(const void* values, DType dtype, int64_t channel) {
-  return dtype == DType::kFloat32 ? __ldg(static_cast<const unsigned*>(values) + channel)
-                                  : __ldg(static_cast<const unsigned short*>(values) + channel);
-}
-
-__device__ __forceinline__ float channel_float(unsigned bits, DType dtype) {
-  switch (dtype) {
-    case DType::kFloat16: return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-    case DType::kBFloat16: return __uint_as_float(bits << 16);
-    default: return __uint_as_float(bits);
+// Per-channel affine of channel `channel` of a forward problem on T values: y = (x -
+// mean) * rstd * weight + bias (weight 1 and bias 0 where absent). The parameters are
+// float32 or T (ForwardProblem::parameter_dtype), so a float32 kernel tests nothing and
+// a 16-bit one only which of the two.
+template <typename T>
+__device__ __forceinline__ float2 channel_affine(const ForwardProblem& p, int64_t channel) {
+  if constexpr (cuda::std::is_same_v<T, float>) {
+    return make_float2(p.weight != nullptr ? __ldg(static_cast<const float*>(p.weight) + channel) : 1.f,
+                       p.bias != nullptr ? __ldg(static_cast<const float*>(p.bias) + channel) : 0.f);
+  } else {
+    const bool float32 = p.parameter_dtype == DType::kFloat32;
+    // One address for either type: two made the 16-bit warp kernels of 32 values a
+    // lane spill (docs/perf-notes.md #157).
+    const int64_t offset = channel << (float32 ? 2 : 1);
+    const auto value = [&](const void* values, float none) {
+      if (values == nullptr) return none;
+      const char* address = static_cast<const char*>(values) + offset;
+      return float32 ? __ldg(reinterpret_cast<const float*>(address))
+                     : Storage<T>::to_float(__ldg(reinterpret_cast<const T*>(address)));
+    };
+    return make_float2(value(p.weight, 1.f), value(p.bias, 0.f));
   }
 }
 
-// Per-channel affine of slice `slice` of a forward problem: y = (x - mean) * rstd *
-// weight + bias (weight 1 and bias 0 where absent), the parameters read as `dtype`:
-// p.parameter_dtype, or a constant where the kernel knows it (the switch then folds
-// away).
-__device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice, DType dtype) {
-  const int64_t channel = slice % p.num_channels;
-  return make_float2(p.weight != nullptr ? channel_float(channel_bits(p.weight, dtype, channel), dtype) : 1.f,
-                     p.bias != nullptr ? channel_float(channel_bits(p.bias, dtype, channel), dtype) : 0.f);
-}
-
+template <typename T>
 __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
-  return slice_affine(p, slice, p.parameter_dtype);
+  return channel_affine<T>(p, slice % p.num_channels);
 }
 
 // The weight and bias of slice `slice` as stored, P their type (the kernel's

@@ -762,15 +762,20 @@ void check_channel(const at::Tensor& value, const char* name, const at::Tensor& 
               text(value.numel()));
 }
 
-// A channel tensor, or None, as contiguous float32 (no copy when it is one).
-std::optional<at::Tensor> channel_float32(const std::optional<at::Tensor>& value, const char* name,
-                                          const at::Tensor& input) {
+// A tensor, or None, as contiguous float32 (no copy when it is one).
+std::optional<at::Tensor> contiguous_float32(const std::optional<at::Tensor>& value) {
   if (!value.has_value()) return std::nullopt;
-  check_channel(*value, name, input);
   // A float32 contiguous tensor as it is: to() and contiguous() would return it too,
   // through a dispatcher call.
   if (value->scalar_type() == at::kFloat && value->is_contiguous()) return *value;
   return value->to(at::kFloat).contiguous();
+}
+
+// A channel tensor, or None, as contiguous float32.
+std::optional<at::Tensor> channel_float32(const std::optional<at::Tensor>& value, const char* name,
+                                          const at::Tensor& input) {
+  if (value.has_value()) check_channel(*value, name, input);
+  return contiguous_float32(value);
 }
 
 // weight and bias (each None or a channel tensor) as the forward kernels read them:
@@ -789,14 +794,14 @@ struct ForwardParameters {
     const auto as_is = [&](const std::optional<at::Tensor>& value) {
       return !value || (value->scalar_type() == given->scalar_type() && value->is_contiguous());
     };
-    const auto kernel_reads = [&](at::ScalarType dtype) { return dtype == at::kFloat || dtype == input.scalar_type(); };
+    const auto kernel_reads = [&](at::ScalarType type) { return type == at::kFloat || type == input.scalar_type(); };
     if (given && kernel_reads(given->scalar_type()) && as_is(weight_in) && as_is(bias_in)) {
       weight = weight_in;
       bias = bias_in;
       dtype = storage_dtype(*given);
     } else {
-      weight = channel_float32(weight_in, "weight", input);
-      bias = channel_float32(bias_in, "bias", input);
+      weight = contiguous_float32(weight_in);
+      bias = contiguous_float32(bias_in);
     }
   }
 };

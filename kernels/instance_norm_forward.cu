@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
     }
     const float rstd = shift.rstd_of_d(warp_allreduce(m2, Sum()), static_cast<float>(spatial), p.eps);
     if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
-    const float2 affine = slice_affine(p, slice);
+    const float2 affine = slice_affine<T>(p, slice);
     const float scale = rstd * affine.x;
     T* slice_y = y + slice * spatial;
 #pragma unroll
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
     }
     const float rstd = shift.rstd_of_d(m2, count, p.eps);
     if (threadIdx.x == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
-    const float2 affine = slice_affine(p, slice);
+    const float2 affine = slice_affine<T>(p, slice);
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     const auto y_of = [&](float x) { return __fmaf_rn(shift.apply(x), scale, offset); };
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
     for (int k = 0; k < kPer; ++k) {
       const float rstd = shift[k].rstd_of_d(m2[k], static_cast<float>(spatial), p.eps);
       if (active && threadIdx.x < V) save_slice_stats(p, first_slice + k, shift[k].mean(mean[k]), shift[k].rstd(rstd));
-      const float2 affine = active ? slice_affine(p, first_slice + k) : make_float2(1.f, 0.f);
+      const float2 affine = active ? slice_affine<T>(p, first_slice + k) : make_float2(1.f, 0.f);
       const float scale_d = rstd * affine.x;
       offset[k] = affine.y - mean[k] * scale_d;
       scale[k] = scale_d * shift[k].scale;
@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_channels_last_cluster_kern
       const float rstd = channel_shift.rstd_of_d(image_m2[c], count, p.eps);
       const int64_t slice = n * channels + c;
       if (rank == 0) save_slice_stats(p, slice, channel_shift.mean(image_mean_d[c]), channel_shift.rstd(rstd));
-      const float2 affine = slice_affine(p, slice);
+      const float2 affine = slice_affine<T>(p, slice);
       const float scale_d = rstd * affine.x;
       offsets[c] = affine.y - image_mean_d[c] * scale_d;
       scales[c] = scale_d * channel_shift.scale;
@@ -671,13 +671,14 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(spatial), p.eps);
     // Without EARLY_AFFINE (problems with no weight and no bias, and every problem
     // with an epilogue) the pair is loaded here, not held through the passes. The
-    // plain kernels serve problems without parameters (resident_variant_for): there
-    // the dtype is a constant, which folds its switch away and keeps their machine
-    // code (docs/perf-notes.md #157).
+    // plain kernels serve problems without parameters (resident_variant_for): they
+    // read float32, which tests no dtype and keeps their machine code
+    // (docs/perf-notes.md #157).
     constexpr bool kPlain = cuda::std::is_same_v<STORE, NoEpilogue> && !EARLY_AFFINE;
+    using Read = std::conditional_t<kPlain, float, T>;
     const float2 affine = EARLY_AFFINE ? make_float2(Storage<P>::to_float(early_affine.weight),
                                                      Storage<P>::to_float(early_affine.bias))
-                                       : slice_affine(p, slice, kPlain ? DType::kFloat32 : p.parameter_dtype);
+                                       : slice_affine<Read>(p, slice);
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     uint4* slice_y = reinterpret_cast<uint4*>(y + slice * spatial);

@@ -104,6 +104,7 @@ __device__ __forceinline__ void collect_rounds(const PipelinedTeam& team, const 
 // A data warp's {scale, offset} for slice `slice` (round `round`'s, whose shift is
 // `shift`): its totals from the collector (lane 0 waits and broadcasts them), rstd,
 // the affine map folded in; the slice's mean and rstd saved by the team's first thread.
+template <typename T>
 __device__ __forceinline__ float2 output_map(const ForwardProblem& p, const PipelinedTeam& team, const Handovers& h,
                                              int64_t round, int64_t slice, const SliceShift& shift, int lane) {
   SliceStats stats{0.f, 0.f, 0.f};
@@ -116,7 +117,7 @@ __device__ __forceinline__ float2 output_map(const ForwardProblem& p, const Pipe
   stats = SliceStats{__shfl_sync(0xffffffffu, stats.count, 0), __shfl_sync(0xffffffffu, stats.mean, 0),
                      __shfl_sync(0xffffffffu, stats.m2, 0)};
   const float rstd = shift.rstd_of_d(stats.m2, static_cast<float>(static_cast<int>(p.spatial)), p.eps);
-  const float2 affine = slice_affine(p, slice);
+  const float2 affine = slice_affine<T>(p, slice);
   const float scale = rstd * affine.x;
   const float offset = affine.y - stats.mean * scale;
   if (threadIdx.x == 0 && team.rank == 0) save_slice_stats(p, slice, shift.mean(stats.mean), shift.rstd(rstd));
@@ -204,7 +205,7 @@ __device__ __forceinline__ void data_rounds(const ForwardProblem& p, const Pipel
     const SliceShift shift_output = shifts[0];
     const SliceShift shift = shifts[kLag];
     float2 map = make_float2(0.f, 0.f);
-    if (output) map = output_map(p, team, h, j - kLag, team.index + (j - kLag) * team.count, shift_output, lane);
+    if (output) map = output_map<T>(p, team, h, j - kLag, team.index + (j - kLag) * team.count, shift_output, lane);
     const uint4* next = source(load ? j + 1 : 0);
     uint4* out = reinterpret_cast<uint4*>(y + (output ? team.index + (j - kLag) * team.count : team.index) * spatial) +
                  first;

@@ -390,7 +390,7 @@ __device__ __forceinline__ void store_slice_stats(const ForwardProblem& p, int64
     rstd = slice_shift_scale.rstd(slice_shift_scale.rstd_of_d(total.m2, static_cast<float>(p.spatial), p.eps));
     save_slice_stats(p, slice, slice_shift_scale.mean(total.mean), rstd);
   }
-  const float2 affine = slice_affine(p, slice);
+  const float2 affine = channel_affine<T>(p, channel);
   slice_stats[slice] = make_float4(shift, mean, rstd * affine.x, affine.y);
 }
 

@@ -47,6 +47,8 @@ def nvcc():
 # resident forward with the weight and bias loaded at the round's top (EARLY_AFFINE, Lb1E):
 # on sm_90a 8 bytes in float32 and bfloat16, 16 in float16 (on sm_80 0, 8 and 8); with
 # them, the forced cooperative path's affine cost still fell (docs/perf-notes.md #155).
+# Their twins for parameters of the 16-bit input's dtype: 8 bytes on sm_90a, none on sm_80
+# (docs/perf-notes.md #157).
 # The first pattern that matches a kernel gives its bound.
 SPILL_ALLOWANCE = {r"forward_resident_kernelI(6__half|13__nv_bfloat16).*ActivationEpilogue": 72,
                    r"forward_resident_kernelI.*TeamKindE1ENS_10NoEpilogueELb1E": 16,

@@ -118,14 +118,18 @@ def test_every_path_matches_float64(solution, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(2, 4, 128, 128), (3, 5, 9, 11), (2, 5, 1500, 1500)], ids=shape_id)
+@pytest.mark.parametrize("shape", [(2, 4, 128, 128), (3, 5, 9, 11), (4, 6, 24, 40), (2, 5, 1500, 1500)],
+                         ids=shape_id)
 def test_affine_matches_float64(solution, dtype, shape):
+    """weight and bias of the input's dtype (read as they are), both, the bias alone and
+    the weight alone, on every path; (4, 6, 24, 40) takes the warp path's widest kernel."""
     torch.manual_seed(4)
     x = torch.randn(shape, device="cuda").to(dtype)
     weight = torch.randn(shape[1], device="cuda").to(dtype)
     bias = torch.randn(shape[1], device="cuda").to(dtype)
     check_paths(solution, x, weight, bias)
     check_paths(solution, x, weight=None, bias=bias)
+    check_paths(solution, x, weight=weight, bias=None)
 
 
 # weight and bias of another dtype than x, or strided: the forward kernels read

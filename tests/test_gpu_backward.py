@@ -69,8 +69,8 @@ def test_backward_matches_float64(solution, shape, dtype, layout):
 @pytest.mark.parametrize("parameter_dtype", [torch.float16, torch.bfloat16, torch.float64, "strided"], ids=str)
 @pytest.mark.parametrize("shape", [(2, 16, 64, 64), (3, 5, 33, 31)], ids=lambda s: "x".join(map(str, s)))
 def test_backward_with_parameters_of_any_float_dtype(solution, shape, parameter_dtype, activation):
-    """weight and bias of float16, bfloat16, float64 or strided float32 (read as they
-    are, or through a float32 copy) give the float64 gradients on every backward path;
+    """weight and bias of float16, bfloat16, float64 or strided float32 (the backward
+    reads float32 copies) give the float64 gradients on every backward path;
     with an activation the backward also reads the bias (the pre-activation)."""
     torch.manual_seed(27)
     x = torch.randn(shape, device="cuda") * 2 + 1
