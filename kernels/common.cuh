@@ -500,6 +500,21 @@ struct BlockAllReduce {
 template <int THREADS>
 using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 
+// The weight and bias of channel `channel` as stored, P their type (the kernel's
+// compile-time knowledge of p.parameter_dtype); 1 and 0 where absent. Kernels that
+// load the pair early keep it so and convert it (Storage<P>::to_float) where they use
+// it: a 16-bit conversion right after the load would wait for the load there.
+template <typename P>
+struct StoredPair {
+  P weight, bias;
+};
+
+template <typename P>
+__device__ __forceinline__ StoredPair<P> channel_parameters(const ForwardProblem& p, int64_t channel) {
+  return {p.weight != nullptr ? __ldg(static_cast<const P*>(p.weight) + channel) : Storage<P>::from_float(1.f),
+          p.bias != nullptr ? __ldg(static_cast<const P*>(p.bias) + channel) : Storage<P>::from_float(0.f)};
+}
+
 // Per-channel affine of channel `channel` of a forward problem on T values: y = (x -
 // mean) * rstd * weight + bias (weight 1 and bias 0 where absent). The parameters are
 // float32 or T (ForwardProblem::parameter_dtype), so a float32 kernel tests nothing and
@@ -507,8 +522,8 @@ using BlockStatsReduce = BlockAllReduce<SliceStats, THREADS, CombineStats>;
 template <typename T>
 __device__ __forceinline__ float2 channel_affine(const ForwardProblem& p, int64_t channel) {
   if constexpr (cuda::std::is_same_v<T, float>) {
-    return make_float2(p.weight != nullptr ? __ldg(static_cast<const float*>(p.weight) + channel) : 1.f,
-                       p.bias != nullptr ? __ldg(static_cast<const float*>(p.bias) + channel) : 0.f);
+    const StoredPair<float> pair = channel_parameters<float>(p, channel);
+    return make_float2(pair.weight, pair.bias);
   } else {
     const bool float32 = p.parameter_dtype == DType::kFloat32;
     // One address for either type: two made the 16-bit warp kernels of 32 values a
@@ -527,22 +542,6 @@ __device__ __forceinline__ float2 channel_affine(const ForwardProblem& p, int64_
 template <typename T>
 __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
   return channel_affine<T>(p, slice % p.num_channels);
-}
-
-// The weight and bias of slice `slice` as stored, P their type (the kernel's
-// compile-time knowledge of p.parameter_dtype); 1 and 0 where absent. For kernels
-// that load the pair early and convert it (Storage<P>::to_float) where they use it:
-// a 16-bit conversion right after the load would wait for the load there.
-template <typename P>
-struct StoredPair {
-  P weight, bias;
-};
-
-template <typename P>
-__device__ __forceinline__ StoredPair<P> slice_parameters(const ForwardProblem& p, int64_t slice) {
-  const int64_t channel = slice % p.num_channels;
-  return {p.weight != nullptr ? __ldg(static_cast<const P*>(p.weight) + channel) : Storage<P>::from_float(1.f),
-          p.bias != nullptr ? __ldg(static_cast<const P*>(p.bias) + channel) : Storage<P>::from_float(0.f)};
 }
 
 // ---- Fused epilogues (Epilogue in instance_norm.h) ----

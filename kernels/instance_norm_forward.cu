@@ -607,7 +607,7 @@ __device__ __forceinline__ void forward_resident(const ForwardProblem& p, const 
     // the next slice's copies, and converted after the allreduce; loaded there, their
     // latency showed in the forward's time (docs/perf-notes.md #154, #155, #157).
     StoredPair<P> early_affine{};
-    if constexpr (EARLY_AFFINE) early_affine = slice_parameters<P>(p, slice);
+    if constexpr (EARLY_AFFINE) early_affine = channel_parameters<P>(p, slice % p.num_channels);
 
     // The raw 16-byte vectors stay in registers (4 registers per vector whatever the
     // dtype, so a 16-bit CTA holds twice the values of a float32 one); 16-bit values
