@@ -380,18 +380,42 @@ def profile_layer(calls):
             print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-def kernel_tables(nets, mode, steps=3):
-    """The profiler's table of GPU kernels (CUDA time) over `steps` training steps of
-    each net in `mode`, PyTorch's norms against ours: where the GPU time of the norm
-    cost goes (under compile, which kernels inductor made around each norm)."""
+def kernel_times(step, steps):
+    """{kernel name: (calls, us)} per training step: the profiler's CUDA kernels over
+    `steps` steps of `step`, after 3 untimed ones."""
+    step_times_ms(step, 3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        step_times_ms(step, steps)
+    kernels = {}
+    for event in profile.key_averages():
+        us = event.self_device_time_total if hasattr(event, "self_device_time_total") else event.self_cuda_time_total
+        if us > 0:
+            kernels[event.key] = (event.count / steps, us / steps)
+    return kernels
+
+
+def kernel_tables(nets, mode, steps=5):
+    """Where the GPU time of the norm cost goes, per training step of each net in
+    `mode`: the profiler's CUDA kernel time per step with PyTorch's norms, ours and
+    none (the floor), then each kernel whose time per step differs from the floor's by
+    more than 1 us, with its calls and us per step in every variant (under compile,
+    which kernels inductor made around each norm and which ours replace)."""
+    variants = ("pytorch", "ours", "identity")
     for net in nets:
-        for variant in ("pytorch", "ours"):
-            step = make_step(net, variant, mode)
-            step_times_ms(step, 3)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-                step_times_ms(step, steps)
-            print(f"\n{net} {variant} {mode}: kernels of {steps} steps")
-            print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+        times = {variant: kernel_times(make_step(net, variant, mode), steps) for variant in variants}
+        totals = {variant: sum(us for _, us in kernels.values()) for variant, kernels in times.items()}
+        print(f"\n{net} {mode}: GPU kernel time per step (us), over {steps} steps: " +
+              ", ".join(f"{variant} {total:.1f}" for variant, total in totals.items()) +
+              f"; norm cost: pytorch {totals['pytorch'] - totals['identity']:.1f}, "
+              f"ours {totals['ours'] - totals['identity']:.1f}")
+        names = set().union(*times.values())
+        delta = {name: max(abs(times[v].get(name, (0, 0.0))[1] - times["identity"].get(name, (0, 0.0))[1])
+                           for v in variants) for name in names}
+        print(f"{'kernel':<72} " + " ".join(f"{v + ' calls, us':>22}" for v in variants))
+        for name in sorted((n for n in names if delta[n] > 1.0), key=lambda n: -delta[n]):
+            print(f"{name[:72]:<72} " + " ".join(
+                f"{times[v].get(name, (0, 0.0))[0]:9.1f} {times[v].get(name, (0, 0.0))[1]:12.1f}" for v in variants))
+        torch._dynamo.reset()
 
 
 def host_breakdown(calls):
@@ -460,7 +484,7 @@ def main():
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
     parser.add_argument("--host-only", action="store_true", help="only the per-layer host times")
     parser.add_argument("--profile", action="store_true", help="only print the host time of the pieces of one layer and the profiler's table of a chain of layers")
-    parser.add_argument("--kernels", action="store_true", help="only print the profiler's GPU kernel table of a few steps of each net in each mode, PyTorch's norms and ours")
+    parser.add_argument("--kernels", action="store_true", help="only print the GPU kernel time per step of each net in each mode (PyTorch's norms, ours, none) and the kernels where they differ")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     nets, modes = args.nets.split(","), args.modes.split(",")
