@@ -673,8 +673,15 @@ def convert_instance_norm(module, fuse_activations=True):
 # functional, so the rewrite fires only where it cannot change what the graph
 # computes: the norm's output has that one user, the added tensor has the output's
 # shape, dtype and device (no broadcast, no type promotion), and no node between
-# the norm and its user may mutate a tensor or read the running statistics it updates. Verified on torch 2.11 and 2.14; before
-# 2.11 it is not installed. On other graph forms it matches nothing and changes nothing.
+# the norm and its user may mutate a tensor or read the running statistics it updates.
+# It also drops the bias of a convolution whose only user is a norm that normalizes
+# by the input's own statistics with no running statistics (_absorb_input_bias):
+# a per-channel constant is one constant over each slice, which the mean removes, so
+# the bias changes neither the norm's output nor anything after it and its exact
+# gradient is zero. Inductor runs a convolution's bias as a pass over the output and
+# its gradient as a reduction over the input's gradient, where our op keeps it from
+# fusing them. Verified on torch 2.11 and 2.14; before 2.11 it is not installed. On
+# other graph forms it matches nothing and changes nothing.
 _COMPILE_FUSION = {"enabled": True}
 # Without the extension there is no op to fold into: the rewrite matches nothing.
 _FRONT_SCHEMA = () if _instance_norm_op is None else _instance_norm_op._schema.arguments
@@ -682,6 +689,9 @@ _FRONT_ARGUMENTS = tuple(argument.name for argument in _FRONT_SCHEMA)
 _FRONT_DEFAULTS = {argument.name: argument.default_value for argument in _FRONT_SCHEMA if argument.has_default_value()}
 _FRONT_TARGETS = () if _instance_norm_op is None else (_instance_norm_op, torch.ops.instance_norm_cuda.instance_norm)
 _RELU_TARGETS = (torch.relu, torch.relu_, F.relu, F.relu_)
+# Convolutions as Dynamo captures them (F.conv2d is torch.conv2d); the bias is argument 2 of each.
+_CONVOLUTION_TARGETS = (torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
+                        torch.conv_transpose3d)
 _ADD_TARGETS = (operator.add, torch.add)
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
@@ -789,11 +799,59 @@ def _absorb_user(graph, norm, arguments):
     return node
 
 
+class _DroppedBias(torch.autograd.Function):
+    """What _absorb_input_bias puts between a convolution whose bias it dropped and
+    the norm after it: forward, x itself (autograd makes the output a view of x, no
+    copy); backward, x's gradient passed on and zeros (the bias's shape, dtype and
+    device) for the bias, its exact gradient."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.bias_type = bias.shape, bias.dtype, bias.device
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.bias_type
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _absorb_input_bias(graph, norm, arguments):
+    """Drops the bias of the convolution that FX node `norm` (a front call whose
+    arguments by name are `arguments`) normalizes, when that cannot change the graph's
+    results: the norm uses the input's statistics (use_input_stats True) and no
+    running statistics, and the convolution's output has no other use. The bias then
+    adds one constant to each slice, which the mean removes. The bias keeps its
+    place in the backward through _DroppedBias, with a zero gradient. Returns whether
+    it dropped one."""
+    convolution = arguments["input"]
+    if (arguments["use_input_stats"] is not True or arguments["running_mean"] is not None
+            or arguments["running_var"] is not None or not isinstance(convolution, torch.fx.Node)
+            or convolution.op != "call_function" or convolution.target not in _CONVOLUTION_TARGETS
+            or len(convolution.users) != 1 or list(norm.args).count(convolution) != 1
+            or convolution in norm.kwargs.values()):
+        return False
+    in_args = len(convolution.args) > 2
+    bias = convolution.args[2] if in_args else convolution.kwargs.get("bias")
+    if not isinstance(bias, torch.fx.Node):
+        return False
+    if in_args:
+        convolution.args = (*convolution.args[:2], None, *convolution.args[3:])
+    else:
+        convolution.kwargs = dict(convolution.kwargs, bias=None)
+    with graph.inserting_before(norm):
+        node = graph.call_function(_DroppedBias.apply, (convolution, bias))
+    node.meta = dict(convolution.meta)
+    norm.replace_input_with(convolution, node)
+    return True
+
+
 def _fuse_epilogues(graph):
     """Rewrites an FX graph from Dynamo in place: each instance_norm_cuda::instance_norm
     call takes the activation (relu, leaky_relu, silu, gelu) and the residual add that
     follow it into its epilogue, as instance_norm(..., activation=, residual=) defines
-    them. Returns the number of activations and adds folded."""
+    them, and the bias of the convolution before it is dropped where the norm removes
+    it (_absorb_input_bias). Returns the number of activations, adds and biases folded."""
     folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _FRONT_TARGETS:
@@ -805,13 +863,14 @@ def _fuse_epilogues(graph):
                 break
             node, folded = fused, folded + 1
             arguments = dict(zip(_FRONT_ARGUMENTS, node.args))
+        folded += _absorb_input_bias(graph, node, arguments)
     return folded
 
 
 def _fusion_fingerprint():
     """What identifies the rewrite for inductor's cache: its code and whether it is on."""
     functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _static_tensor_type, _may_mutate,
-                 _movable_to)
+                 _movable_to, _absorb_input_bias, _DroppedBias.forward, _DroppedBias.backward)
     code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
     return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
 
@@ -839,8 +898,9 @@ def _install_compile_fusion():
             if _COMPILE_FUSION["enabled"]:
                 folded = _fuse_epilogues(graph)
                 if folded:
-                    logging.getLogger("instance_norm").info("torch.compile: folded %d activations and residual "
-                                                            "adds into instance norms", folded)
+                    logging.getLogger("instance_norm").info("torch.compile: folded %d activations, residual "
+                                                            "adds and convolution biases into instance norms",
+                                                            folded)
             for other in previous:
                 other(graph)
 

@@ -169,6 +169,111 @@ def test_compile_fusion_rewrites_only_what_it_can_fold(solution, case):
     torch.testing.assert_close(out, expected)
 
 
+def through_aot_autograd(solution, module, x):
+    """module captured by Dynamo (fullgraph), its graph rewritten by the compile
+    fusion and traced by AOTAutograd into forward and backward graphs (run eagerly,
+    as inductor would compile them), then run forward and backward (of the mean
+    square) on x: (output, x's gradient, {parameter name: gradient}, folds, biases
+    dropped (_DroppedBias calls in the rewritten graph), the traced forward graph's
+    convolutions with a bias)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    record = {}
+
+    def forward_compiler(gm, example_inputs):
+        record["convolutions with bias"] = sum(node.target is torch.ops.aten.convolution.default
+                                               and node.args[2] is not None for node in gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        record["folded"] = solution._fuse_epilogues(gm.graph)
+        record["dropped"] = sum(node.target == solution._DroppedBias.apply for node in gm.graph.nodes)
+        gm.recompile()
+        return aot_autograd(fw_compiler=forward_compiler,
+                            bw_compiler=lambda gm, _: make_boxed_func(gm.forward))(gm, example_inputs)
+
+    torch._dynamo.reset()
+    x = x.clone().requires_grad_()
+    out = torch.compile(module, backend=backend, fullgraph=True)(x)
+    out.square().mean().backward()
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    return out, x.grad, grads, record["folded"], record["dropped"], record["convolutions with bias"]
+
+
+class _TwoUses(nn.Module):
+    """norm(conv(x)) + conv(x): the convolution's output has a use besides the norm."""
+
+    def __init__(self, conv, norm):
+        super().__init__()
+        self.conv, self.norm = conv, norm
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.norm(y) + y
+
+
+# case: (the model from (solution, a Conv2d with bias), input shape, folds, dropped biases, traced
+# convolutions with a bias)
+BIAS_CASES = {
+    "conv2d, norm": (lambda s, c: nn.Sequential(c, s.InstanceNorm2d(4)), (2, 3, 8, 8), 1, 1, 0),
+    "conv2d, affine norm, relu": (lambda s, c: nn.Sequential(c, s.InstanceNorm2d(4, affine=True), nn.ReLU()),
+                                  (2, 3, 8, 8), 2, 1, 0),
+    # The module unsqueezes an unbatched input: the norm's input is not the convolution's output.
+    "unbatched": (lambda s, c: nn.Sequential(c, s.InstanceNorm2d(4)), (3, 8, 8), 0, 0, 1),
+    "conv_transpose2d": (lambda s, c: nn.Sequential(nn.ConvTranspose2d(3, 4, 3, stride=2), s.InstanceNorm2d(4)),
+                         (2, 3, 5, 5), 1, 1, 0),
+    "conv3d": (lambda s, c: nn.Sequential(nn.Conv3d(3, 4, 3), s.InstanceNorm3d(4)), (2, 3, 6, 6, 6), 1, 1, 0),
+    "bias as a keyword": (lambda s, c: nn.Sequential(_KeywordBias(c), s.InstanceNorm2d(4)), (2, 3, 8, 8), 1, 1, 0),
+    "no bias": (lambda s, c: nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), s.InstanceNorm2d(4)), (2, 3, 8, 8), 0, 0, 0),
+    "output used twice": (lambda s, c: _TwoUses(c, s.InstanceNorm2d(4)), (2, 3, 8, 8), 1, 0, 1),
+    "running statistics": (lambda s, c: nn.Sequential(c, s.InstanceNorm2d(4, track_running_stats=True)),
+                           (2, 3, 8, 8), 0, 0, 1),
+    "eval, running statistics": (lambda s, c: nn.Sequential(c, s.InstanceNorm2d(4, track_running_stats=True)).eval(),
+                                 (2, 3, 8, 8), 0, 0, 1),
+    "another op between": (lambda s, c: nn.Sequential(c, nn.Tanh(), s.InstanceNorm2d(4)), (2, 3, 8, 8), 0, 0, 1),
+}
+
+
+class _KeywordBias(nn.Module):
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        return F.conv2d(x, self.conv.weight, bias=self.conv.bias)
+
+
+@pytest.mark.parametrize("case", sorted(BIAS_CASES))
+def test_compile_fusion_drops_a_convolution_bias_only_where_the_norm_removes_it(solution, case):
+    """Under the compile fusion a convolution's bias that only feeds a norm using the
+    input's statistics (no running statistics) is dropped from the traced
+    convolution and gets a zero gradient; the output and every other gradient are
+    eager's (float64). Elsewhere the bias stays and its gradient is eager's."""
+    make, shape, folds, dropped, traced_biases = BIAS_CASES[case]
+    torch.manual_seed(6)
+    module = make(solution, nn.Conv2d(3, 4, 3)).double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    x = torch.randn(shape, dtype=torch.float64)
+    reference = copy.deepcopy(module)
+    out, grad_x, grads, folded, dropped_here, with_bias = through_aot_autograd(solution, module, x)
+    assert (folded, dropped_here, with_bias) == (folds, dropped, traced_biases)
+    xe = x.clone().requires_grad_()
+    expected = reference(xe)
+    expected.square().mean().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad_x, xe.grad)
+    for name, p in reference.named_parameters():
+        owner = reference.get_submodule(name.rpartition(".")[0])
+        if dropped and name.endswith("bias") and isinstance(owner, nn.modules.conv._ConvNd):
+            assert torch.count_nonzero(grads[name]) == 0
+            assert p.grad.abs().max() < 1e-12  # eager's is zero up to rounding
+        else:
+            torch.testing.assert_close(grads[name], p.grad)
+
+
 def test_compile_fusion_installs_once_and_keeps_a_hook_set_before(solution):
     import torch._inductor.config as config
 

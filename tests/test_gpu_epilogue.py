@@ -202,13 +202,17 @@ RELU, LEAKY_RELU = 1, 2
 def compiled_with_epilogues(model, x):
     """model compiled by inductor (fullgraph, caches off), run forward and backward
     (of the mean square) on x: (output, x's gradient, the parameters' gradients,
-    forward calls, backward calls), each call of instance_norm_cuda::forward or
-    ::backward in the compiled graphs given as (activation code, has residual)."""
+    forward calls, backward calls, convolutions with a bias), each call of
+    instance_norm_cuda::forward or ::backward in the compiled graphs given as
+    (activation code, has residual)."""
     forward_op, backward_op = torch.ops.instance_norm_cuda.forward.default, torch.ops.instance_norm_cuda.backward.default
     calls = {forward_op: [], backward_op: []}
+    biased = []
 
     def record(graph):
         for node in graph.nodes:
+            if node.target is torch.ops.aten.convolution.default and node.args[2] is not None:
+                biased.append(node)
             if node.target in calls:
                 activation, residual = (4, 6) if node.target is forward_op else (5, 7)
                 calls[node.target].append((node.args[activation], node.args[residual] is not None))
@@ -220,7 +224,7 @@ def compiled_with_epilogues(model, x):
         out.float().square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    return out, x.grad, grads, sorted(calls[forward_op]), sorted(calls[backward_op])
+    return out, x.grad, grads, sorted(calls[forward_op]), sorted(calls[backward_op]), len(biased)
 
 
 def eager_gradients(model, x):
@@ -254,7 +258,7 @@ def test_compile_folds_activation_and_residual_forward_and_backward(solution, dt
     torch.manual_seed(10)
     model = ResidualBlock(solution, 8).cuda()
     x = torch.randn(2, 8, 32, 32, device="cuda", dtype=dtype)
-    out, grad_x, grads, forwards, backwards = compiled_with_epilogues(model.to(dtype), x)
+    out, grad_x, grads, forwards, backwards, _ = compiled_with_epilogues(model.to(dtype), x)
     assert forwards == [(0, True), (RELU, False)]
     assert sorted(activation for activation, _ in backwards) == [0, RELU]
     expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
@@ -265,25 +269,29 @@ def test_compile_folds_activation_and_residual_forward_and_backward(solution, dt
         torch.testing.assert_close(grad, expected, atol=tolerance, rtol=tolerance)
 
 
-# net: (input, the compiled forward's calls: (activation code, has residual) -> count)
-NET_FOLDS = {"transformer": ((1, 3, 64, 64), {(RELU, False): 10, (0, True): 5}),
-             "cyclegan": ((1, 3, 64, 64), {(RELU, False): 14, (0, True): 9}),
-             "unet3d": ((1, 1, 32, 32, 32), {(LEAKY_RELU, False): 18})}
+# net: (input, the compiled forward's calls: (activation code, has residual) -> count,
+# convolutions that keep their bias: those not right before a norm)
+NET_FOLDS = {"transformer": ((1, 3, 64, 64), {(RELU, False): 10, (0, True): 5}, 1),
+             "cyclegan": ((1, 3, 64, 64), {(RELU, False): 14, (0, True): 9}, 1),
+             "unet3d": ((1, 1, 32, 32, 32), {(LEAKY_RELU, False): 18}, 5)}
 
 
 @pytest.mark.parametrize("net", sorted(NET_FOLDS))
 def test_compile_folds_the_nets_epilogues(solution, nets, net):
     """Each real-network benchmark net with our norms, compiled: every activation and
-    residual add after a norm folded into it (the transformer net's F.relu too), and
-    the same output and gradients as eager (relative to their norms)."""
-    shape, folds = NET_FOLDS[net]
+    residual add after a norm folded into it (the transformer net's F.relu too), the
+    bias of every convolution right before a norm dropped, and the same output and
+    gradients as eager (relative to their norms; the dropped biases' gradients are
+    zero, eager's zero up to rounding)."""
+    shape, folds, biased = NET_FOLDS[net]
     model = nets.build(net, "ours")
     # TF32 convolutions would differ between the eager and compiled convolution algorithms.
     torch.backends.cudnn.allow_tf32, saved = False, torch.backends.cudnn.allow_tf32
     torch.manual_seed(11)
     x = torch.randn(shape, device="cuda")
-    out, grad_x, grads, forwards, _ = compiled_with_epilogues(model, x)
+    out, grad_x, grads, forwards, _, with_bias = compiled_with_epilogues(model, x)
     assert {call: forwards.count(call) for call in set(forwards)} == folds
+    assert with_bias == biased
     expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
     for result, expected in zip((out, grad_x, *grads), (expected_out, expected_grad_x, *expected_grads)):
         assert (result - expected).norm() <= 1e-3 * expected.norm() + 1e-6
