@@ -42,9 +42,10 @@ def kernel_names(fn):
 
 
 def test_compiled_training_step_matches_eager_and_copies_nothing(solution):
-    """fullgraph under bf16 autocast: the same gradients as the eager step, and the
-    compiled step runs no more copy or clone kernels than the same net with
-    nn.Identity in place of the norms."""
+    """fullgraph under bf16 autocast: gradients as close to the float64 step's as the
+    eager bf16 step's (the compiled step drops the conv biases, so it rounds
+    differently from eager), and the compiled step runs no more copy or clone
+    kernels than the same net with nn.Identity in place of the norms."""
     x = torch.randn(4, 3, 32, 32, device="cuda")
     copies, grads = {}, {}
     for name, norm, compiled in (("ours", lambda c: solution.InstanceNorm2d(c, affine=True), True),
@@ -64,9 +65,13 @@ def test_compiled_training_step_matches_eager_and_copies_nothing(solution):
         grads[name] = [p.grad.float() for p in model.parameters()]
         torch._dynamo.reset()
     assert len(copies["ours"]) <= len(copies["identity"]), copies
-    total = sum(g.norm() for g in grads["eager"])
-    for ours, eager in zip(grads["ours"], grads["eager"]):
-        assert ((ours - eager).norm() / (eager.norm() + 1e-3 * total)).item() < 1e-2
+    reference = conv_net(lambda c: solution.InstanceNorm2d(c, affine=True)).double()
+    reference(x.double()).square().mean().backward()
+    exact = [p.grad for p in reference.parameters()]
+    total = sum(g.norm() for g in exact)
+    errors = {name: max(((g.double() - r).norm() / (r.norm() + 1e-3 * total)).item() for g, r in zip(grads[name], exact))
+              for name in ("ours", "eager")}
+    assert errors["ours"] <= 2 * errors["eager"], errors
 
 
 def test_compiled_autograd_traces_the_backward(solution):
