@@ -675,11 +675,12 @@ def convert_instance_norm(module, fuse_activations=True):
 # shape, dtype and device (no broadcast, no type promotion), and no node between
 # the norm and its user may mutate a tensor or read the running statistics it updates.
 # It also drops the bias of a convolution whose only user is a norm that normalizes
-# by the input's own statistics with no running statistics (_absorb_input_bias):
+# by the input's own statistics with no running statistics (_drop_convolution_bias):
 # a per-channel constant is one constant over each slice, which the mean removes, so
 # the bias changes neither the norm's output nor anything after it and its exact
-# gradient is zero. Inductor runs a convolution's bias as a pass over the output and
-# its gradient as a reduction over the input's gradient, where our op keeps it from
+# gradient is zero (a non-finite bias, with which eager's output is NaN, is dropped
+# alike). Inductor runs a convolution's bias as a pass over the output and its
+# gradient as a reduction over the input's gradient, where our op keeps it from
 # fusing them. Verified on torch 2.11 and 2.14; before 2.11 it is not installed. On
 # other graph forms it matches nothing and changes nothing.
 _COMPILE_FUSION = {"enabled": True}
@@ -800,7 +801,7 @@ def _absorb_user(graph, norm, arguments):
 
 
 class _DroppedBias(torch.autograd.Function):
-    """What _absorb_input_bias puts between a convolution whose bias it dropped and
+    """What _drop_convolution_bias puts between a convolution whose bias it dropped and
     the norm after it: forward, x itself (autograd makes the output a view of x, no
     copy); backward, x's gradient passed on and zeros (the bias's shape, dtype and
     device) for the bias, its exact gradient."""
@@ -816,7 +817,7 @@ class _DroppedBias(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _absorb_input_bias(graph, norm, arguments):
+def _drop_convolution_bias(graph, norm, arguments):
     """Drops the bias of the convolution that FX node `norm` (a front call whose
     arguments by name are `arguments`) normalizes, when that cannot change the graph's
     results: the norm uses the input's statistics (use_input_stats True) and no
@@ -851,7 +852,7 @@ def _fuse_epilogues(graph):
     call takes the activation (relu, leaky_relu, silu, gelu) and the residual add that
     follow it into its epilogue, as instance_norm(..., activation=, residual=) defines
     them, and the bias of the convolution before it is dropped where the norm removes
-    it (_absorb_input_bias). Returns the number of activations, adds and biases folded."""
+    it (_drop_convolution_bias). Returns the number of activations, adds and biases folded."""
     folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _FRONT_TARGETS:
@@ -863,14 +864,14 @@ def _fuse_epilogues(graph):
                 break
             node, folded = fused, folded + 1
             arguments = dict(zip(_FRONT_ARGUMENTS, node.args))
-        folded += _absorb_input_bias(graph, node, arguments)
+        folded += _drop_convolution_bias(graph, node, arguments)
     return folded
 
 
 def _fusion_fingerprint():
     """What identifies the rewrite for inductor's cache: its code and whether it is on."""
     functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _static_tensor_type, _may_mutate,
-                 _movable_to, _absorb_input_bias, _DroppedBias.forward, _DroppedBias.backward)
+                 _movable_to, _drop_convolution_bias, _DroppedBias.forward, _DroppedBias.backward)
     code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
     return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
 
