@@ -83,6 +83,7 @@ def _kernels_dir():
     if "__file__" in globals():
         candidates.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels"))
     candidates.append(os.path.join(os.getcwd(), "kernels"))
+    candidates = list(dict.fromkeys(candidates))  # one entry when this file is in the working directory
     for directory in candidates:
         if all(os.path.isfile(os.path.join(directory, name)) for name in _KERNEL_FILES):
             return directory
@@ -659,8 +660,9 @@ def convert_instance_norm(module, fuse_activations=True):
         return child
 
     module = convert("", module)
-    logging.getLogger("instance_norm").info("convert_instance_norm: converted %d norms (%s), fused %d activations (%s)",
-                                            len(converted), ", ".join(converted), len(fused), ", ".join(fused))
+    logging.getLogger("instance_norm").info(
+        "convert_instance_norm: norms converted: %d (%s); activations fused: %d (%s)", len(converted),
+        ", ".join(converted), len(fused), ", ".join(fused))
     return module
 
 
