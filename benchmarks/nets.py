@@ -51,6 +51,7 @@ Needs a CUDA GPU; exits with status 2 without one.
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -380,26 +381,40 @@ def profile_layer(calls):
             print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def kernel_family(name):
+    """A kernel's name without the number inductor appends to it in each graph
+    (triton_poi_fused_relu_12 -> triton_poi_fused_relu), so that the same fused
+    kernel in two variants' graphs, or in two graphs of one variant, is one row."""
+    return re.sub(r"_[0-9]+$", "", name) if name.startswith("triton_") else name
+
+
+def per_family(kernels, steps):
+    """{kernel family: (calls, us)} per step from (name, calls, us) over `steps` steps."""
+    families = {}
+    for name, calls, us in kernels:
+        if us > 0:
+            previous_calls, previous_us = families.get(kernel_family(name), (0.0, 0.0))
+            families[kernel_family(name)] = (previous_calls + calls / steps, previous_us + us / steps)
+    return families
+
+
 def kernel_times(step, steps):
-    """{kernel name: (calls, us)} per training step: the profiler's CUDA kernels over
-    `steps` steps of `step`, after 3 untimed ones."""
+    """{kernel family (kernel_family): (calls, us)} per training step: the profiler's
+    CUDA kernels over `steps` steps of `step`, after 3 untimed ones."""
     step_times_ms(step, 3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         step_times_ms(step, steps)
-    kernels = {}
-    for event in profile.key_averages():
-        us = event.self_device_time_total if hasattr(event, "self_device_time_total") else event.self_cuda_time_total
-        if us > 0:
-            kernels[event.key] = (event.count / steps, us / steps)
-    return kernels
+    return per_family([(event.key, event.count, event.self_device_time_total if hasattr(event, "self_device_time_total")
+                        else event.self_cuda_time_total) for event in profile.key_averages()], steps)
 
 
 def kernel_tables(nets, mode, steps=5):
     """Where the GPU time of the norm cost goes, per training step of each net in
     `mode`: the profiler's CUDA kernel time per step with PyTorch's norms, ours and
-    none (the floor), then each kernel whose time per step differs from the floor's by
-    more than 1 us, with its calls and us per step in every variant (under compile,
-    which kernels inductor made around each norm and which ours replace)."""
+    none (the floor), then each kernel family (kernel_family) whose time per step
+    differs from the floor's by more than 1 us, with its calls and us per step in every
+    variant (under compile, which kernels inductor made around each norm and which ours
+    replace)."""
     variants = ("pytorch", "ours", "identity")
     for net in nets:
         times = {variant: kernel_times(make_step(net, variant, mode), steps) for variant in variants}

@@ -1,6 +1,6 @@
 """CPU tests of the real-network benchmark's nets (benchmarks/nets.py): the published
 architectures' norm and parameter counts, the same conv weights for every norm
-variant, and the accuracy comparison."""
+variant, the accuracy comparison, and how --kernels groups kernels."""
 import pytest
 import torch
 
@@ -37,3 +37,16 @@ def test_accuracy_comparison(nets):
     assert nets.accurate_as_pytorch(errors)
     errors["ours"] = (1.5e-6, 2.5e-3, "b")
     assert not nets.accurate_as_pytorch(errors)
+
+
+def test_kernel_table_groups_inductor_kernels_by_family(nets):
+    """--kernels matches a fused kernel across variants by its name without the number
+    inductor appends per graph; other kernels keep their names."""
+    assert nets.kernel_family("triton_poi_fused_relu_12") == "triton_poi_fused_relu"
+    assert nets.kernel_family("triton_red_fused__to_copy_convolution_backward_11") == \
+        "triton_red_fused__to_copy_convolution_backward"
+    assert nets.kernel_family("void cudnn::kernel<float, 2>") == "void cudnn::kernel<float, 2>"
+    assert nets.kernel_family("sm90_xmma_fprop_nhwc_128x64_2") == "sm90_xmma_fprop_nhwc_128x64_2"
+    kernels = [("triton_poi_fused_zeros_5", 10, 8.0), ("triton_poi_fused_zeros_9", 95, 72.0),
+               ("memset32", 30, 37.0), ("idle", 5, 0.0)]
+    assert nets.per_family(kernels, 5) == {"triton_poi_fused_zeros": (21.0, 16.0), "memset32": (6.0, 7.4)}
