@@ -274,6 +274,28 @@ def test_compile_fusion_drops_a_convolution_bias_only_where_the_norm_removes_it(
             torch.testing.assert_close(grads[name], p.grad)
 
 
+# net: (activations and adds folded, convolution biases dropped, traced convolutions that keep a bias)
+NET_REWRITES = {"transformer": (15, 15, 1), "cyclegan": (23, 23, 1), "unet3d": (18, 18, 5)}
+
+
+@pytest.mark.parametrize("net", sorted(NET_REWRITES))
+def test_compile_fusion_on_the_nets_keeps_outputs_and_gradients(solution, nets, net):
+    """The real-network benchmark's nets with our norms, captured, rewritten and traced
+    through AOTAutograd in float64: every activation and add after a norm folded, the
+    bias of every convolution right before a norm dropped, and eager's output and
+    gradients (a dropped bias's gradient is zero, eager's zero up to rounding)."""
+    folds, dropped, traced_biases = NET_REWRITES[net]
+    torch.manual_seed(7)
+    model = nets.build(net, "ours", "cpu").double()
+    x = torch.randn(CONVERSIONS[net][2], dtype=torch.float64)
+    expected_out, expected_grads = nets.output_and_gradients(copy.deepcopy(model), x)
+    out, _, grads, folded, dropped_here, with_bias = through_aot_autograd(solution, model, x)
+    assert (folded, dropped_here, with_bias) == (folds + dropped, dropped, traced_biases)
+    torch.testing.assert_close(out, expected_out)
+    for name, expected in expected_grads.items():
+        torch.testing.assert_close(grads[name], expected, atol=1e-12, rtol=1e-7, msg=name)
+
+
 def test_compile_fusion_installs_once_and_keeps_a_hook_set_before(solution):
     import torch._inductor.config as config
 
