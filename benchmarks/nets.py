@@ -393,8 +393,9 @@ def per_family(kernels, steps):
     families = {}
     for name, calls, us in kernels:
         if us > 0:
-            previous_calls, previous_us = families.get(kernel_family(name), (0.0, 0.0))
-            families[kernel_family(name)] = (previous_calls + calls / steps, previous_us + us / steps)
+            family = kernel_family(name)
+            previous_calls, previous_us = families.get(family, (0.0, 0.0))
+            families[family] = (previous_calls + calls / steps, previous_us + us / steps)
     return families
 
 
