@@ -29,6 +29,7 @@ e.g. 512 x 512) held in registers by a thread-block cluster.
 import hashlib
 import inspect
 import logging
+import math
 import operator
 import os
 import sys
@@ -293,15 +294,26 @@ def _register_fake(name):
 
 
 @_register_fake("forward")
-def _forward_fake(input, weight, bias, eps, activation, negative_slope, residual):
-    """(y like input, stats float32 (2, N * C): mean, rstd); input already contiguous or channels-last."""
+def _forward_fake(input, weight, bias, eps, activation, negative_slope, residual, reflection_pad=()):
+    """(y like input, or contiguous of the padded shape with reflection_pad; stats float32 (2, N * C):
+    mean, rstd); input already contiguous or channels-last."""
     _install_compile_fusion()
     slices = input.shape[0] * input.shape[1]
-    return torch.empty_like(input), input.new_empty((2, slices), dtype=torch.float32)
+    y = input.new_empty(_padded_shape(input.shape, reflection_pad)) if reflection_pad else torch.empty_like(input)
+    return y, input.new_empty((2, slices), dtype=torch.float32)
+
+
+def _padded_shape(shape, reflection_pad):
+    """shape with its last dims padded by reflection_pad (F.pad order: the last dim's two values first)."""
+    shape = list(shape)
+    for i, value in enumerate(reflection_pad):
+        shape[len(shape) - 1 - i // 2] += value
+    return shape
 
 
 @_register_fake("backward")
-def _backward_fake(grad_output, input, stats, weight, bias, activation, negative_slope, residual, channel_sums):
+def _backward_fake(grad_output, input, stats, weight, bias, activation, negative_slope, residual, channel_sums,
+                   reflection_pad=()):
     """(grad_input like input, grad_parameters float32 (2, C): grad_weight, grad_bias, (2, 0) without
     channel_sums; grad_residual like input with a residual and an activation, else float32 (0))."""
     channels = input.shape[1] if channel_sums else 0
@@ -332,9 +344,9 @@ ACTIVATIONS = (None, "relu", "leaky_relu", "silu", "gelu", "gelu_tanh")
 
 def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
                   use_input_stats=True, momentum=0.1, eps=1e-5, activation=None, negative_slope=0.01,
-                  residual=None):
+                  residual=None, reflection_pad=None):
     """PyTorch's F.instance_norm on this project's kernels, with autograd, and a
-    fused epilogue: act(instance_norm(...) + residual).
+    fused epilogue: act(instance_norm(...) + residual), then a reflection pad.
 
     input: (N, C, *spatial), at least one spatial dim, any strides. With
     use_input_stats (the default) each (n, c) slice is normalized by its own mean
@@ -357,6 +369,15 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     instance_norm(x, ..., activation="relu", residual=r) equals
     F.relu(F.instance_norm(x, ...) + r).
 
+    reflection_pad, a sequence of 2 ints per spatial dim in F.pad's order (the last
+    dim's left and right first), each >= 0 and less than the size of the dim it
+    pads, pads the result as F.pad(y, reflection_pad, mode="reflect") (nn.
+    ReflectionPad1d/2d/3d) does; the result is then contiguous. The forward kernel
+    writes the padded output and the backward kernel reads the padded gradient
+    where the slices take the block paths (contiguous 1D and 2D input without a
+    residual: up to 16,384 fp32 or 32,768 16-bit values a slice); elsewhere PyTorch's
+    pad runs after the kernels and its backward before them.
+
     CUDA float32, float16 and bfloat16 run the CUDA kernels; CPU and float64
     inputs, and all inputs when the extension is not built (no GPU visible), run
     PyTorch's F.instance_norm. Eager calls go to the extension's front
@@ -366,8 +387,9 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     non-tensor or non-floating input or parameter, ValueError for fewer than 3 dims,
     a single spatial element with use_input_stats, missing running statistics with
     use_input_stats=False, a weight, bias or running buffer of the wrong size or
-    device, an unknown activation, or a residual of another shape or device
-    (TypeError for another dtype).
+    device, an unknown activation, a residual of another shape or device
+    (TypeError for another dtype), or a reflection_pad of the wrong length or a
+    value out of range (TypeError for a non-integer one).
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"instance_norm: input must be a torch.Tensor, got {type(input).__name__}")
@@ -381,33 +403,46 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         raise TypeError(f"instance_norm: activation must be None or one of {ACTIVATIONS[1:]}, "
                         f"got {type(activation).__name__}")
     return _front(input, running_mean, running_var, weight, bias, use_input_stats, float(momentum), float(eps),
-                  activation, float(negative_slope), residual)
+                  activation, float(negative_slope), residual, _int_tuple("reflection_pad", reflection_pad))
+
+
+def _int_tuple(name, value):
+    """None, or `value` (a sequence of ints) as a tuple of ints: TypeError naming `name` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not all(
+            isinstance(item, int) and not isinstance(item, bool) for item in value):
+        raise TypeError(f"instance_norm: {name} must be None or a sequence of ints, got {value!r}")
+    return tuple(int(item) for item in value)
 
 
 def _front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation=None,
-           negative_slope=0.01, residual=None):
+           negative_slope=0.01, residual=None, reflection_pad=None):
     """The extension's front (validation, dispatch, running-statistics update): one
     direct call in eager mode; under torch.compile the op, which Dynamo can trace.
     Without the extension, _front_python."""
     if _EXT is None:
         return _front_python(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
-                             activation, negative_slope, residual)
+                             activation, negative_slope, residual, reflection_pad)
     if torch.compiler.is_compiling():
         return _instance_norm_op(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
-                                 activation, negative_slope, residual)
+                                 activation, negative_slope, residual, reflection_pad)
     return _EXT.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps,
-                              activation, negative_slope, residual)
+                              activation, negative_slope, residual, reflection_pad)
 
 
 def _front_python(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation,
-                  negative_slope, residual):
+                  negative_slope, residual, reflection_pad):
     """The extension's front for CPU and float64 inputs, in Python, for when the
     extension is not built: the same checks and errors (_check_front_arguments),
-    then PyTorch's instance_norm (running statistics updated in place as there)
-    and the epilogue act(y + residual) as PyTorch ops, with PyTorch's autograd."""
-    _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual)
+    then PyTorch's instance_norm (running statistics updated in place as there),
+    the epilogue act(y + residual) and the reflection pad as PyTorch ops, with
+    PyTorch's autograd."""
+    _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual,
+                           reflection_pad)
     y = torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, False)
-    return _apply_activation(y if residual is None else y + residual, activation, negative_slope)
+    y = _apply_activation(y if residual is None else y + residual, activation, negative_slope)
+    return F.pad(y, reflection_pad, mode="reflect") if reflection_pad else y
 
 
 def _apply_activation(y, activation, negative_slope):
@@ -442,14 +477,16 @@ def _check_channel_tensor(name, value, input):
         raise ValueError(f"instance_norm: {name} must be on the input's device {input.device}, got {value.device}")
 
 
-def _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual):
-    """The extension front's checks of its arguments (check_arguments, activation_code
-    and the residual's in kernels/instance_norm_entry.cpp), in its order and with its
-    messages: TypeError for a non-floating input or parameter or a residual of another
-    dtype; ValueError for fewer than 3 dims, a parameter or buffer of the wrong size
-    or device, running_mean without running_var (or the reverse), a single spatial
-    element with use_input_stats, no running statistics without it, an unknown
-    activation, a residual of another shape or device."""
+def _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual,
+                           reflection_pad):
+    """The extension front's checks of its arguments (check_arguments, activation_code,
+    the residual's and check_reflection_pad in kernels/instance_norm_entry.cpp), in
+    its order and with its messages: TypeError for a non-floating input or parameter
+    or a residual of another dtype; ValueError for fewer than 3 dims, a parameter or
+    buffer of the wrong size or device, running_mean without running_var (or the
+    reverse), a single spatial element with use_input_stats, no running statistics
+    without it, an unknown activation, a residual of another shape or device, a
+    reflection_pad (a tuple of ints or None) of the wrong length or out of range."""
     if not input.is_floating_point():
         raise TypeError(f"instance_norm: input must be a floating-point tensor, got {_scalar_type_name(input.dtype)}")
     if input.dim() < 3:
@@ -476,6 +513,18 @@ def _check_front_arguments(input, running_mean, running_var, weight, bias, use_i
     if residual is not None and residual.device != input.device:
         raise ValueError(f"instance_norm: residual must be on the input's device {input.device}, "
                          f"got {residual.device}")
+    if reflection_pad:
+        spatial_dims = input.dim() - 2
+        if spatial_dims > 3:
+            raise ValueError(f"instance_norm: reflection_pad needs 1 to 3 spatial dims, got {spatial_dims}")
+        if len(reflection_pad) != 2 * spatial_dims:
+            raise ValueError(f"instance_norm: reflection_pad must have {2 * spatial_dims} values (2 per spatial dim), "
+                             f"got {len(reflection_pad)}")
+        for i, value in enumerate(reflection_pad):
+            dim = input.dim() - 1 - i // 2
+            if not 0 <= value < input.shape[dim]:
+                raise ValueError("instance_norm: reflection_pad values must be >= 0 and less than the size of the "
+                                 f"dim they pad, got {value} for dim {dim} of size {input.shape[dim]}")
 
 
 # PyTorch's norms take (and print) a `bias` keyword from torch 2.14 on; the repr
@@ -492,19 +541,25 @@ class _InstanceNorm(nn.Module):
     running_mean (zeros), running_var (ones) and num_batches_tracked are buffers,
     updated in training and used in eval. .to() moves and casts them all.
     activation (one of ACTIVATIONS) and negative_slope fuse an activation into the
-    layer: forward returns act(norm(x)), as instance_norm's epilogue. Subclasses
-    set _spatial_dims."""
+    layer: forward returns act(norm(x)), as instance_norm's epilogue;
+    reflection_pad (2 ints per spatial dim, F.pad's order, as instance_norm takes
+    it) then pads that as nn.ReflectionPad1d/2d/3d would. Subclasses set
+    _spatial_dims."""
 
     _version = 2
     _spatial_dims = 2
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=False, track_running_stats=False,
-                 device=None, dtype=None, *, bias=True, activation=None, negative_slope=0.01):
+                 device=None, dtype=None, *, bias=True, activation=None, negative_slope=0.01, reflection_pad=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
         self.negative_slope = negative_slope
+        self.reflection_pad = _int_tuple("reflection_pad", reflection_pad)
+        if self.reflection_pad is not None and len(self.reflection_pad) != 2 * self._spatial_dims:
+            raise ValueError(f"reflection_pad must have {2 * self._spatial_dims} values (2 per spatial dim), "
+                             f"got {len(self.reflection_pad)}")
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps
@@ -547,6 +602,8 @@ class _InstanceNorm(nn.Module):
         activation = "" if self.activation is None else f", activation={self.activation!r}"
         if self.activation == "leaky_relu":
             activation += f", negative_slope={self.negative_slope}"
+        if self.reflection_pad is not None:
+            activation += f", reflection_pad={self.reflection_pad}"
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
                 f"{bias}track_running_stats={self.track_running_stats}{activation}")
 
@@ -569,7 +626,7 @@ class _InstanceNorm(nn.Module):
         y = _front(input if feature_dim else input.unsqueeze(0), buffers["running_mean"], buffers["running_var"],
                    parameters["weight"], parameters["bias"], self.training or not self.track_running_stats,
                    0.0 if self.momentum is None else float(self.momentum), float(self.eps), self.activation,
-                   float(self.negative_slope))
+                   float(self.negative_slope), None, self.reflection_pad)
         return y if feature_dim else y.squeeze(0)
 
 
@@ -631,16 +688,44 @@ def _converted_norm(norm):
     return ours
 
 
-def convert_instance_norm(module, fuse_activations=True):
+# The reflection pads the converter folds into a norm of as many spatial dims.
+_REFLECTION_PADS = {nn.ReflectionPad1d: 1, nn.ReflectionPad2d: 2, nn.ReflectionPad3d: 3}
+
+
+def _fold_reflection_pads(sequential, prefix, folded):
+    """Folds each nn.ReflectionPad1d/2d/3d (without hooks) that follows one of our
+    norms of its spatial dims in `sequential`, directly or after nn.Identity
+    modules without hooks (those the activation fusion leaves), into the norm's
+    reflection_pad, putting nn.Identity in its place; appends the pads' names."""
+    names = list(sequential._modules)
+    for i, name in enumerate(names):
+        norm = sequential._modules[name]
+        if not isinstance(norm, _InstanceNorm) or norm.reflection_pad is not None:
+            continue
+        j = i + 1
+        while j < len(names) and type(sequential._modules[names[j]]) is nn.Identity and not (
+                sequential._modules[names[j]]._forward_hooks or sequential._modules[names[j]]._forward_pre_hooks):
+            j += 1
+        pad = sequential._modules[names[j]] if j < len(names) else None
+        if (_REFLECTION_PADS.get(type(pad)) == norm._spatial_dims and not pad._forward_hooks
+                and not pad._forward_pre_hooks):
+            norm.reflection_pad = tuple(int(value) for value in pad.padding)
+            sequential._modules[names[j]] = nn.Identity()
+            folded.append(f"{prefix}.{names[j]}" if prefix else names[j])
+
+
+def convert_instance_norm(module, fuse_activations=True, fuse_padding=True):
     """Replace every nn.InstanceNorm1d/2d/3d in `module` (itself included) with this
     project's layer, as nn.SyncBatchNorm.convert_sync_batchnorm does for batch norm:
     the same Parameters and buffers, train/eval state, device and dtype. With
     fuse_activations, an activation module (nn.ReLU, nn.LeakyReLU, nn.SiLU, nn.GELU)
     right after a converted norm inside an nn.Sequential is folded into the norm
-    (its activation=) and replaced by nn.Identity. Returns the converted module (a
-    new object only when `module` is itself a norm); what was converted and fused is
-    logged at INFO level by the logger "instance_norm"."""
-    converted, fused = [], []
+    (its activation=) and replaced by nn.Identity. With fuse_padding, an
+    nn.ReflectionPad1d/2d/3d after such a norm (or after its folded activation) is
+    folded into the norm (its reflection_pad=) and replaced by nn.Identity. Returns
+    the converted module (a new object only when `module` is itself a norm); what
+    was converted and fused is logged at INFO level by the logger "instance_norm"."""
+    converted, fused, padded = [], [], []
 
     def convert(name, child):
         if type(child) in _CONVERTED:
@@ -657,21 +742,24 @@ def convert_instance_norm(module, fuse_activations=True):
                     norm.activation, norm.negative_slope = fusable
                     child._modules[second] = nn.Identity()
                     fused.append(f"{name}.{second}" if name else second)
+        if fuse_padding and isinstance(child, nn.Sequential):
+            _fold_reflection_pads(child, name, padded)
         return child
 
     module = convert("", module)
     logging.getLogger("instance_norm").info(
-        "convert_instance_norm: norms converted: %d (%s); activations fused: %d (%s)", len(converted),
-        ", ".join(converted), len(fused), ", ".join(fused))
+        "convert_instance_norm: norms converted: %d (%s); activations fused: %d (%s); reflection pads fused: %d (%s)",
+        len(converted), ", ".join(converted), len(fused), ", ".join(fused), len(padded), ", ".join(padded))
     return module
 
 
 # Epilogue fusion under torch.compile. A rewrite of the graph Dynamo captures
 # (inductor's pre_grad_custom_pass hook, which runs before AOTAutograd derives the
-# backward, so the fused op's own autograd serves the backward) folds the activation
-# and the residual add that follow our norm into its epilogue: F.relu(norm(x)) and
-# norm(x) + r become one instance_norm_cuda::instance_norm call, forward and backward,
-# as inductor fuses PyTorch's own norm with them. Pre-grad graphs are not
+# backward, so the fused op's own autograd serves the backward) folds the activation,
+# the residual add and the reflection pad that follow our norm into its epilogue:
+# F.relu(norm(x)), norm(x) + r and F.pad(norm(x), p, "reflect") become one
+# instance_norm_cuda::instance_norm call, forward and backward, as inductor fuses
+# PyTorch's own norm with them. Pre-grad graphs are not
 # functional, so the rewrite fires only where it cannot change what the graph
 # computes: the norm's output has that one user, the added tensor has the output's
 # shape, dtype and device (no broadcast, no type promotion), and no node between
@@ -696,6 +784,8 @@ _RELU_TARGETS = (torch.relu, torch.relu_, F.relu, F.relu_)
 _CONVOLUTION_TARGETS = (torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
                         torch.conv_transpose3d)
 _ADD_TARGETS = (operator.add, torch.add)
+# F.pad as Dynamo captures it (torch._C._nn.pad), and as written.
+_PAD_TARGETS = (torch._C._nn.pad, F.pad)
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
                       operator.irshift, operator.imatmul, operator.setitem, operator.delitem)
@@ -741,6 +831,36 @@ def _tensor_added(node, norm):
     return other if isinstance(other, torch.fx.Node) and other is not norm else None
 
 
+def _reflection_pad_applied(node, norm, arguments):
+    """The pad that FX node `node` applies to the output of front call `norm` (its
+    arguments by name are `arguments`), as a list, when `node` is F.pad(norm's
+    output, pad, "reflect") and our kernels write that pad and read its gradient
+    (instance_norm's reflection_pad): the output static, contiguous, 1D or 2D, no
+    residual, the input's own statistics, slices of whole 16-byte vectors larger
+    than the warp path's and within the backward block path's (forward_capacities,
+    backward_capacities). Elsewhere PyTorch's pad would run inside our op, where
+    inductor fuses its own; None."""
+    if node.op != "call_function" or node.target not in _PAD_TARGETS or not node.args or node.args[0] is not norm:
+        return None
+    call = dict(zip(("input", "pad", "mode", "value"), node.args), **node.kwargs)
+    pad, output_type, value = call.get("pad"), _static_tensor_type(norm), norm.meta.get("example_value")
+    if (call.get("mode") != "reflect" or call.get("value") is not None or not isinstance(pad, (tuple, list))
+            or not all(type(item) is int for item in pad) or output_type is None or arguments["residual"] is not None
+            or arguments["use_input_stats"] is not True):
+        return None
+    shape, dtype, _ = output_type
+    dtype_name = str(dtype).split(".")[-1]
+    if dtype_name not in _EXT.backward_capacities or len(shape) not in (3, 4) or len(pad) != 2 * (len(shape) - 2):
+        return None
+    spatial = math.prod(shape[2:])
+    if (not value.is_contiguous() or spatial % (16 // value.element_size())
+            or not _EXT.forward_capacities[dtype_name]["warp_spatial"] < spatial
+            <= _EXT.backward_capacities[dtype_name]["block_spatial"]
+            or not all(0 <= item < shape[len(shape) - 1 - i // 2] for i, item in enumerate(pad))):
+        return None
+    return list(pad)
+
+
 def _static_tensor_type(node):
     """(shape, dtype, device) of the tensor FX node `node` produced while Dynamo traced, when its shape is static."""
     value = node.meta.get("example_value")
@@ -778,13 +898,19 @@ def _movable_to(norm, user, arguments):
 def _absorb_user(graph, norm, arguments):
     """Folds the one user of FX node `norm` (a front call whose arguments by name are
     `arguments`) into a new front call in the user's place when the epilogue can take
-    it: an activation when the norm has none, else nothing; a residual add when it has
-    neither. Returns the new node, or None."""
+    it: a reflection pad the kernels take (_reflection_pad_applied) when the norm has
+    none; an activation when the norm has neither; a residual add when it has none
+    of the three. Returns the new node, or None."""
     (user,) = norm.users
-    if arguments["activation"] is not None or not _movable_to(norm, user, arguments):
+    if arguments["reflection_pad"] is not None or not _movable_to(norm, user, arguments):
         return None
+    pad = _reflection_pad_applied(user, norm, arguments)
     activation = _activation_applied(user) if user.args and user.args[0] is norm else None
-    if activation is not None:
+    if pad is not None:
+        fused = dict(arguments, reflection_pad=pad)
+    elif arguments["activation"] is not None:
+        return None
+    elif activation is not None:
         fused = dict(arguments, activation=activation[0], negative_slope=activation[1])
     else:
         residual = _tensor_added(user, norm) if arguments["residual"] is None else None
@@ -851,10 +977,11 @@ def _drop_convolution_bias(graph, norm, arguments):
 
 def _fuse_epilogues(graph):
     """Rewrites an FX graph from Dynamo in place: each instance_norm_cuda::instance_norm
-    call takes the activation (relu, leaky_relu, silu, gelu) and the residual add that
-    follow it into its epilogue, as instance_norm(..., activation=, residual=) defines
-    them, and the bias of the convolution before it is dropped where the norm removes
-    it (_drop_convolution_bias). Returns the number of activations, adds and biases folded."""
+    call takes the activation (relu, leaky_relu, silu, gelu), the residual add and the
+    reflection pad that follow it into its epilogue, as instance_norm(...,
+    activation=, residual=, reflection_pad=) defines them, and the bias of the
+    convolution before it is dropped where the norm removes it (_drop_convolution_bias).
+    Returns the number of activations, adds, pads and biases folded."""
     folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _FRONT_TARGETS:
@@ -872,8 +999,9 @@ def _fuse_epilogues(graph):
 
 def _fusion_fingerprint():
     """What identifies the rewrite for inductor's cache: its code and whether it is on."""
-    functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _static_tensor_type, _may_mutate,
-                 _movable_to, _drop_convolution_bias, _DroppedBias.forward, _DroppedBias.backward)
+    functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _reflection_pad_applied,
+                 _static_tensor_type, _may_mutate, _movable_to, _drop_convolution_bias, _DroppedBias.forward,
+                 _DroppedBias.backward)
     code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
     return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
 
@@ -902,7 +1030,8 @@ def _install_compile_fusion():
                 folded = _fuse_epilogues(graph)
                 if folded:
                     logging.getLogger("instance_norm").info("torch.compile: folded %d activations, residual "
-                                                            "adds and convolution biases into instance norms",
+                                                            "adds, reflection pads and convolution biases into "
+                                                            "instance norms",
                                                             folded)
             for other in previous:
                 other(graph)

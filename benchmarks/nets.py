@@ -21,10 +21,11 @@ Three networks, written from their published designs:
 
 Each net is built four times from one seed (same conv weights): with PyTorch's
 norms ("pytorch"), with ours ("ours"), PyTorch's net through
-solution.convert_instance_norm ("fused": our norms with the activation modules that
-follow them in an nn.Sequential folded in; the transformer net calls F.relu, so it
-gets none), and with nn.Identity in their place ("identity", the floor). One step is zero_grad, forward, an MSE loss, backward and
-an SGD step. Modes: fp32 eager; bf16 autocast eager; bf16 autocast with
+solution.convert_instance_norm ("fused": our norms with the activation modules and
+reflection pads that follow them in an nn.Sequential folded in; the transformer net
+calls F.relu and pads inside its conv modules, so it gets none), and with nn.Identity
+in their place ("identity", the floor). One step is zero_grad, forward, an MSE loss,
+backward and an SGD step. Modes: fp32 eager; bf16 autocast eager; bf16 autocast with
 torch.compile(mode="reduce-overhead") of the net. Each variant takes --rounds x --steps
 timed steps, one step of each variant in turn, each step's wall time taken on the host
 with a synchronize after it (host time included: what a user waits for); the table
@@ -191,7 +192,8 @@ NETS = {
 
 def build(net, variant, device="cuda"):
     """The net with `variant` norms; "fused": PyTorch's net through convert_instance_norm
-    (our norms, activations in an nn.Sequential right after a norm folded into it)."""
+    (our norms, activations and reflection pads in an nn.Sequential right after a norm
+    folded into it)."""
     make, dims, _, _ = NETS[net]
     torch.manual_seed(0)
     if variant == "fused":

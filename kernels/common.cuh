@@ -709,6 +709,66 @@ __device__ __forceinline__ float epilogue_value(const Epilogue& e, const void* y
   return v[0];
 }
 
+// ---- reflection pad (ReflectionPad in kernels/instance_norm.h) ----
+
+// The source index of index i (counted from the dim's first unpadded value, so
+// negative in the pad before it) of a dim of n values, reflected as PyTorch's
+// ReflectionPad does: without repeating the edge value.
+__device__ __forceinline__ int reflect(int i, int n) { return i < 0 ? -i : (i >= n ? 2 * (n - 1) - i : i); }
+
+// The padded indices that hold source index i of a dim of n values padded by
+// `before` and `after` (-1 where none): i + before itself; before - i where 1 <= i <=
+// before (the pad before reflects it); before + 2 (n - 1) - i where n - 1 - after <=
+// i <= n - 2 (the pad after does). Both pads can hold one value where n is small.
+struct PaddedHolders {
+  int index[3];
+};
+__device__ __forceinline__ PaddedHolders padded_holders(int i, int n, int before, int after) {
+  return {{i + before, i >= 1 && i <= before ? before - i : -1,
+           i >= n - 1 - after && i <= n - 2 ? before + 2 * (n - 1) - i : -1}};
+}
+
+// The gradient of the slice's value at (row, column) from dy, the gradient of the
+// slice's padded output (pad's padded_height x padded_width values): the sum of
+// every padded value that holds it (ReflectionPad's backward), in float32.
+template <typename T>
+__device__ __forceinline__ float padded_gradient(const T* dy, const ReflectionPad& pad, int row, int column) {
+  const PaddedHolders rows = padded_holders(row, pad.height, pad.top, pad.bottom);
+  const PaddedHolders columns = padded_holders(column, pad.width, pad.left, pad.right);
+  const int width = pad.padded_width();
+  float sum = 0.f;
+#pragma unroll
+  for (int r = 0; r < 3; ++r) {
+#pragma unroll
+    for (int c = 0; c < 3; ++c) {
+      if (rows.index[r] >= 0 && columns.index[c] >= 0) {
+        sum += Storage<T>::to_float(__ldg(dy + rows.index[r] * width + columns.index[c]));
+      }
+    }
+  }
+  return sum;
+}
+
+// The gradient of each of the slice's pad.height x pad.width values, in float32, to
+// gathered[] (shared memory) from dy, the gradient of the slice's padded output: the
+// padded value that holds it, plus, for the values in the rows and columns next to
+// an edge, those of the pads that reflect it (padded_gradient). Each value is
+// summed by one thread in a fixed order (deterministic, no atomics); the CTA's
+// THREADS threads take the values in turn. Ends with __syncthreads().
+template <typename T, int THREADS>
+__device__ __forceinline__ void gather_padded_gradient(const T* dy, const ReflectionPad& pad, float* gathered) {
+  const int width = pad.width, spatial = pad.height * width, padded_width = pad.padded_width();
+  int row = static_cast<int>(threadIdx.x) / width, column = static_cast<int>(threadIdx.x) - row * width;
+  for (int i = threadIdx.x; i < spatial; i += THREADS) {
+    const bool near_edge = row <= pad.top || row >= pad.height - 1 - pad.bottom || column <= pad.left ||
+                           column >= width - 1 - pad.right;
+    gathered[i] = near_edge ? padded_gradient(dy, pad, row, column)
+                            : Storage<T>::to_float(__ldg(dy + (row + pad.top) * padded_width + column + pad.left));
+    for (column += THREADS; column >= width; column -= width) ++row;
+  }
+  __syncthreads();
+}
+
 // The slice's mean and rstd (in x's units), to the forward's optional outputs;
 // called by one thread per slice.
 __device__ __forceinline__ void save_slice_stats(const ForwardProblem& p, int64_t slice, float mean, float rstd) {

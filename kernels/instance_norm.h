@@ -95,6 +95,27 @@ struct Epilogue {
   __host__ __device__ bool active() const { return activation != Activation::kNone || residual != nullptr; }
 };
 
+// A reflection pad after the epilogue, PyTorch's ReflectionPad1d/2d (F.pad(y, (left,
+// right, top, bottom), mode="reflect")): each slice is height x width values (1 x L
+// in 1D), padded by `top` and `bottom` rows and `left` and `right` columns, each
+// smaller than the dim it pads; padded row i holds row reflect(i - top, height)
+// (reflect(i, n) = |i| for i < n, 2 (n - 1) - i above), columns alike. In the
+// forward, y is the padded output: (batch, num_channels, padded_spatial()); in the
+// backward, dy is the padded gradient and each value's gradient is the sum of the
+// padded values that hold it (up to 9). Zero-initialized: no pad. Only the block
+// paths take it, contiguous and without a residual (forward_pads, backward_pads), in
+// kernels of their own that take it as a second parameter: a field of the problems
+// would change every other kernel's machine code (docs/perf-notes.md #161).
+struct ReflectionPad {
+  int height, width;
+  int top, bottom, left, right;
+
+  __host__ __device__ bool active() const { return height > 0; }
+  __host__ __device__ int padded_width() const { return width + left + right; }
+  __host__ __device__ int padded_height() const { return height + top + bottom; }
+  __host__ __device__ int64_t padded_spatial() const { return int64_t{padded_width()} * padded_height(); }
+};
+
 // y[n, c, s] = (x[n, c, s] - mean) * rstd * weight[c] + bias[c], rstd = 1 / sqrt(var + eps),
 // where mean and the biased var are those of the slice (n, c) taken in float32
 // (PyTorch's F.instance_norm with use_input_stats=True), or, when running_mean is
@@ -182,6 +203,10 @@ struct ForwardPlan {
   int64_t teams;
   int64_t rounds;
   SplitPlan split;  // kSplit
+  // With an active pad, y is padded: the block path's padded kernel runs with
+  // launch's grid, threads and shared memory.
+  ReflectionPad pad;
+  void (*padded_kernel)(const ForwardProblem, const ReflectionPad);
 
   bool valid() const { return path != ForwardPath::kAuto; }
 };
@@ -191,7 +216,14 @@ struct ForwardPlan {
 // the problem gives an invalid plan (an error for the caller, not a silent switch);
 // every path runs an empty problem (no slices or no values: nothing to launch). A
 // null y counts as aligned: a plan made before y exists is a support query.
-ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced);
+// With an active `pad`, the plan writes y padded (forward_pads; else the plan is invalid).
+ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, const ReflectionPad& pad = {});
+
+// Whether `forced` (kAuto: the chooser's path) can write y padded by `pad`: the block
+// path, contiguous, without a residual or running statistics, where the chooser (or
+// the caller) takes it. Elsewhere a caller runs the problem without the pad and pads
+// y itself. Makes no plan (plans_made does not count it).
+bool forward_pads(const ForwardProblem& problem, const ReflectionPad& pad, ForwardPath forced);
 
 // Launches the plan on `stream`; returns the first CUDA error (launch configuration
 // included), or cudaErrorInvalidValue for an invalid plan, a null y or a missing
@@ -311,13 +343,25 @@ struct BackwardPlan {
   bool generic_vectorized;
   unsigned item_grid;
   unsigned combine_grid;
+  // With an active pad, dy is the padded gradient: the block path's padded kernel
+  // runs with launch's grid, threads and shared memory.
+  ReflectionPad pad;
+  void (*padded_kernel)(const BackwardProblem, const ReflectionPad);
 
   bool valid() const { return path != BackwardPath::kAuto; }
 };
 
 // As plan_forward; a null dx counts as aligned. Unlike the forward's, a forced path
 // must run an empty problem's shape as any other's (nothing is launched for it).
-BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced);
+// With an active `pad`, problem.dy is the gradient of y padded by it (backward_pads;
+// else the plan is invalid).
+BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced, const ReflectionPad& pad = {});
+
+// Whether `forced` (kAuto: the chooser's path) can read the gradient of y padded by
+// `pad`: the block path where it runs the problem, which the chooser takes wherever
+// it does. Elsewhere the caller
+// folds the padded gradient itself. Makes no plan.
+bool backward_pads(const BackwardProblem& problem, const ReflectionPad& pad, BackwardPath forced);
 cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream);
 
 struct BackwardCapacities {

@@ -754,13 +754,21 @@ const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProbl
 // per SM takes several latency-bound rounds over a few hundred small slices.
 // Needs whole 16-byte vectors (spatial % Storage<T>::kPerVector == 0) at 16-byte
 // aligned x, dy and dx, and spatial / kPerVector <= THREADS * kBlockVectorsPerThread.
-// The CTAs grid-stride over the slices. Sizes: kernels/tuning.h.
+// The CTAs grid-stride over the slices. Sizes: kernels/tuning.h. Pad: empty, or
+// ReflectionPad (the padded kernel, as forward_block_kernel's): dy is the gradient
+// of the slices padded by `pad`; the CTA first sums each value's gradient
+// from it into shared memory (gather_padded_gradient: spatial floats of dynamic
+// shared memory), and each thread's vectors of dy are those sums rounded to T, as
+// PyTorch's pad backward gives them to the norm's.
 constexpr int64_t kBlockMaxVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // Register cap: 128 per thread for both sizes (four 128-thread CTAs or one
 // 512-thread CTA per SM at least); the 16 vectors take 64 of them.
-template <typename T, int THREADS, Activation ACTIVATION>
-__global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backward_block_kernel(const BackwardProblem p) {
+template <typename T, int THREADS, Activation ACTIVATION, typename... Pad>
+__global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
+    backward_block_kernel(const BackwardProblem p, Pad... pad) {
+  static_assert(sizeof...(Pad) <= 1, "one pad at most");
+  constexpr bool kPadded = sizeof...(Pad) == 1;
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
   constexpr int kVecs = kBlockVectorsPerThread;
@@ -781,7 +789,17 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backwar
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
         x_raw[i] = __ldg(x + i * THREADS);
-        dy_raw[i] = __ldg(dy + i * THREADS);
+        if constexpr (!kPadded) dy_raw[i] = __ldg(dy + i * THREADS);
+      }
+    }
+    if constexpr (kPadded) {
+      extern __shared__ float gathered_dy[];  // the slice's gradient, p.spatial values
+      const ReflectionPad padding{pad...};
+      gather_padded_gradient<T, THREADS>(static_cast<const T*>(p.dy) + slice * padding.padded_spatial(), padding,
+                                         gathered_dy);
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (i < valid) dy_raw[i] = S::pack(gathered_dy + (tid + i * THREADS) * kPer);
       }
     }
     const int64_t channel = slice % p.num_channels;
@@ -825,6 +843,7 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS) backwar
         store_streaming(dx + i * THREADS, S::pack(out));
       }
     }
+    if constexpr (kPadded) __syncthreads();  // every thread has read gathered_dy before the next slice's
   }
 }
 
@@ -963,8 +982,9 @@ int64_t slice_vectors(const BackwardProblem& p) { return p.spatial / values_per_
 
 // The block path: slices of whole aligned vectors up to kBlockMaxVectors, in the
 // small CTA where it holds the slice, else the large one; one CTA per slice,
-// grid-stride.
-BackwardPlan block_plan(const BackwardProblem& p) {
+// grid-stride. With an active pad, the padded kernel of the same launch, with the
+// slice's gradient in shared memory.
+BackwardPlan block_plan(const BackwardProblem& p, const ReflectionPad& pad = {}) {
   BackwardPlan plan{};
   if (!whole_aligned_vectors(p) || slice_vectors(p) > kBlockMaxVectors) return plan;
   const bool small = slice_vectors(p) <= int64_t{kBlockSmallThreads} * kBlockVectorsPerThread;
@@ -972,15 +992,31 @@ BackwardPlan block_plan(const BackwardProblem& p) {
     using T = decltype(dtype_tag);
     return dispatch_activation(p.epilogue.activation, [&](auto activation_tag) {
       constexpr Activation kActivation = decltype(activation_tag)::value;
-      plan.launch = small ? KernelLaunch<BackwardProblem>{LaunchKind::kPlain,
-                                                          backward_block_kernel<T, kBlockSmallThreads, kActivation>,
-                                                          0, kBlockSmallThreads, 0, 0, 0}
-                          : KernelLaunch<BackwardProblem>{LaunchKind::kPlain,
-                                                          backward_block_kernel<T, kBlockLargeThreads, kActivation>,
-                                                          0, kBlockLargeThreads, 0, 0, 0};
+      const auto launch = [&](auto threads) {
+        constexpr int kThreads = decltype(threads)::value;
+        plan.launch = {LaunchKind::kPlain, backward_block_kernel<T, kThreads, kActivation>, 0, kThreads, 0, 0, 0};
+        if (pad.active()) {
+          plan.launch.shared_bytes = static_cast<int>(p.spatial * sizeof(float));
+          plan.padded_kernel = backward_block_kernel<T, kThreads, kActivation, ReflectionPad>;
+        }
+      };
+      if (small) {
+        launch(cuda::std::integral_constant<int, kBlockSmallThreads>());
+      } else {
+        launch(cuda::std::integral_constant<int, kBlockLargeThreads>());
+      }
       return cudaSuccess;
     });
   });
+  // A padded slice's gradient in shared memory must fit a CTA (this also raises the
+  // kernel's limit above 48 KB).
+  if (pad.active()) {
+    if (ctas_per_sm(reinterpret_cast<const void*>(plan.padded_kernel), plan.launch.threads,
+                    plan.launch.shared_bytes) < 1) {
+      return BackwardPlan{};
+    }
+    plan.pad = pad;
+  }
   plan.path = BackwardPath::kBlock;
   plan.launch.grid = cta_grid(p.num_slices());
   return plan;
@@ -1004,9 +1040,10 @@ BackwardPlan chosen_plan(const BackwardProblem& p) {
 
 }  // namespace backward_detail
 
-BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced) {
+BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced, const ReflectionPad& pad) {
   using namespace backward_detail;
   ++plan_counters().backward;
+  if (pad.active()) return backward_pads(problem, pad, forced) ? block_plan(problem, pad) : BackwardPlan{};
   switch (forced) {
     case BackwardPath::kAuto: return chosen_plan(problem);
     case BackwardPath::kGeneric: return generic_backward_plan(problem);
@@ -1017,11 +1054,22 @@ BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced) 
   return {};
 }
 
+bool backward_pads(const BackwardProblem& problem, const ReflectionPad& pad, BackwardPath forced) {
+  using namespace backward_detail;
+  return pad.active() && problem.num_slices() > 0 && problem.spatial > 0 &&
+         (forced == BackwardPath::kAuto || forced == BackwardPath::kBlock) && block_plan(problem, pad).valid();
+}
+
 cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream) {
   using namespace backward_detail;
   if (problem.num_slices() <= 0 || problem.spatial <= 0) return cudaSuccess;
   if (problem.dx == nullptr || !plan.valid()) return cudaErrorInvalidValue;
   if (plan.path == BackwardPath::kGeneric) return launch_generic(problem, plan, stream);
+  if (plan.pad.active()) {
+    const KernelLaunch<BackwardProblem>& launch = plan.launch;
+    plan.padded_kernel<<<launch.grid, launch.threads, launch.shared_bytes, stream>>>(problem, plan.pad);
+    return cudaGetLastError();
+  }
   return launch_kernel(plan.launch, problem, stream);
 }
 

@@ -161,12 +161,33 @@ void check_arguments(const at::Tensor& input, const std::optional<at::Tensor>& r
   }
 }
 
+// reflection_pad: empty, or PyTorch's F.pad order for mode="reflect": (left, right)
+// of the last dim, then of the one before, 2 values per spatial dim (1 to 3 of
+// them), each >= 0 and less than the size of the dim it pads.
+void check_reflection_pad(const at::Tensor& input, c10::IntArrayRef pad) {
+  if (pad.empty()) return;
+  const int64_t spatial_dims = input.dim() - 2;
+  TORCH_CHECK_VALUE(spatial_dims <= 3, "instance_norm: reflection_pad needs 1 to 3 spatial dims, got ",
+                    text(spatial_dims));
+  TORCH_CHECK_VALUE(static_cast<int64_t>(pad.size()) == 2 * spatial_dims, "instance_norm: reflection_pad must have ",
+                    text(2 * spatial_dims), " values (2 per spatial dim), got ",
+                    text(static_cast<int64_t>(pad.size())));
+  for (size_t i = 0; i < pad.size(); ++i) {
+    const int64_t dim = input.dim() - 1 - static_cast<int64_t>(i / 2);
+    TORCH_CHECK_VALUE(pad[i] >= 0 && input.sym_size(dim) > pad[i], "instance_norm: reflection_pad values must be >= 0 "
+                      "and less than the size of the dim they pad, got ", text(pad[i]), " for dim ", text(dim),
+                      " of size ", text(input.sym_size(dim)));
+  }
+}
+
 // The epilogue's arguments as the inner ops take them: the activation's code
-// (instance_norm::Activation), LeakyReLU's negative slope, the residual.
+// (instance_norm::Activation), LeakyReLU's negative slope, the residual, and the
+// reflection pad of the output (empty: none; see check_reflection_pad).
 struct EpilogueArgs {
   int64_t activation;
   double negative_slope;
   std::optional<at::Tensor> residual;
+  std::vector<int64_t> reflection_pad;
 };
 
 // The activation names of the front (PyTorch's functional names; "gelu_tanh" is
@@ -177,10 +198,10 @@ constexpr const char* kActivationNames[instance_norm::kNumActivations] = {"none"
 // Typed handles of the ops, looked up once.
 using ForwardSignature = TensorPair(const at::Tensor&, const std::optional<at::Tensor>&,
                                     const std::optional<at::Tensor>&, double, int64_t, double,
-                                    const std::optional<at::Tensor>&);
+                                    const std::optional<at::Tensor>&, c10::IntArrayRef);
 using BackwardSignature = TensorTriple(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
-                                       double, const std::optional<at::Tensor>&, bool);
+                                       double, const std::optional<at::Tensor>&, bool, c10::IntArrayRef);
 using ForwardEvalSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double,
                                         int64_t, double, const std::optional<at::Tensor>&);
@@ -203,8 +224,7 @@ TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& we
                         const std::optional<at::Tensor>& bias, double eps, const EpilogueArgs& epilogue,
                         instance_norm::ForwardPath path, bool save_stats);
 void attach_backward(const TensorPair& forward_out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                     const std::optional<at::Tensor>& bias, int64_t activation, double negative_slope,
-                     const std::optional<at::Tensor>& residual);
+                     const std::optional<at::Tensor>& bias, const EpilogueArgs& epilogue);
 
 bool any_requires_grad(std::initializer_list<const std::optional<at::Tensor>*> tensors) {
   for (const std::optional<at::Tensor>* t : tensors)
@@ -280,9 +300,25 @@ at::Tensor activation_gradient_aten(const at::Tensor& grad, const at::Tensor& pr
   }
 }
 
+// y reflection-padded by `pad` (check_reflection_pad; empty: y itself), by PyTorch's op.
+at::Tensor reflection_padded(const at::Tensor& y, c10::IntArrayRef pad) {
+  return pad.empty() ? y : at::pad(y, pad, "reflect");
+}
+
+// The gradient of `input` from `grad`, the gradient of input reflection-padded by
+// `pad` (empty: grad itself), by PyTorch's pad backward ops.
+at::Tensor reflection_pad_gradient(const at::Tensor& grad, const at::Tensor& input, c10::IntArrayRef pad) {
+  switch (pad.size()) {
+    case 2: return at::reflection_pad1d_backward(grad, input, pad);
+    case 4: return at::reflection_pad2d_backward(grad, input, pad);
+    case 6: return at::reflection_pad3d_backward(grad, input, pad);
+    default: return grad;
+  }
+}
+
 // PyTorch's F.instance_norm (input, running_mean, running_var, weight, bias,
 // use_input_stats, momentum, eps) on this project's kernels, then the fused
-// epilogue act(y + residual); see solution.instance_norm for the semantics. CUDA
+// epilogue act(y + residual) and the reflection pad; see solution.instance_norm for the semantics. CUDA
 // float32, float16 and bfloat16 inputs run the kernels (other strides than
 // contiguous and channels-last are copied to contiguous first; the residual to the
 // input's layout); others run PyTorch's ops. `eager`: called from Python outside
@@ -293,7 +329,7 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
                  const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
                  const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum, double eps,
                  const std::optional<c10::string_view>& activation, double negative_slope,
-                 const std::optional<at::Tensor>& residual, bool eager) {
+                 const std::optional<at::Tensor>& residual, c10::IntArrayRef reflection_pad, bool eager) {
   check_arguments(input, running_mean, running_var, weight, bias, use_input_stats);
   EpilogueArgs epilogue{activation_code(activation), negative_slope, residual};
   if (residual) {
@@ -304,10 +340,13 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
     TORCH_CHECK_VALUE(residual->device() == input.device(), "instance_norm: residual must be on the input's device ",
                       input.device(), ", got ", residual->device());
   }
+  check_reflection_pad(input, reflection_pad);
   if (!input.is_cuda() || !kernel_dtype(input.scalar_type())) {
-    return apply_epilogue_aten(at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats,
-                                                 momentum, eps, /*cudnn_enabled=*/false),
-                               epilogue);
+    return reflection_padded(
+        apply_epilogue_aten(at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats,
+                                              momentum, eps, /*cudnn_enabled=*/false),
+                            epilogue),
+        reflection_pad);
   }
   TORCH_CHECK(eps >= 0.0, "instance_norm: eps must be >= 0, got ", text(eps));
   // The kernels have no forward-mode derivative: a dual tensor's tangent would be
@@ -322,9 +361,15 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
   if (residual) epilogue.residual = like_layout(*residual, x);
   const std::optional<at::Tensor>& r = epilogue.residual;
   if (!use_input_stats) {
-    return forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps, epilogue.activation,
-                                  negative_slope, r);
+    return reflection_padded(forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps,
+                                                    epilogue.activation, negative_slope, r),
+                             reflection_pad);
   }
+  // The ops take the pad where their kernels can write it; with a residual the
+  // residual's gradient would need the padded gradient folded first, so the pad
+  // stays PyTorch's op after them.
+  if (!r) epilogue.reflection_pad = reflection_pad.vec();
+  const c10::IntArrayRef op_pad = epilogue.reflection_pad;
   const std::optional<bool> direct = eager ? direct_route({&x}, {&weight, &bias, &r}) : std::nullopt;
   TensorPair out;
   if (direct) {
@@ -338,14 +383,14 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
       out = forward_impl(x, weight, bias, eps, epilogue, instance_norm::ForwardPath::kAuto,
                          backward || running_mean.has_value());
     }
-    if (backward) attach_backward(out, x, weight, bias, epilogue.activation, negative_slope, r);
+    if (backward) attach_backward(out, x, weight, bias, epilogue);
   } else {
-    out = forward_op().call(x, weight, bias, eps, epilogue.activation, negative_slope, r);
+    out = forward_op().call(x, weight, bias, eps, epilogue.activation, negative_slope, r, op_pad);
   }
   if (running_mean.has_value()) {
     update_running_stats_op().call(*running_mean, *running_var, x, std::get<1>(out), momentum, eps);
   }
-  return std::get<0>(out);
+  return r ? reflection_padded(std::get<0>(out), reflection_pad) : std::get<0>(out);
 }
 
 // The op instance_norm_cuda::instance_norm, registered as CompositeImplicitAutograd:
@@ -354,9 +399,9 @@ at::Tensor instance_norm_op(const at::Tensor& input, const std::optional<at::Ten
                             const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, bool use_input_stats, double momentum, double eps,
                             std::optional<c10::string_view> activation, double negative_slope,
-                            const std::optional<at::Tensor>& residual) {
+                            const std::optional<at::Tensor>& residual, at::OptionalIntArrayRef reflection_pad) {
   return front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation,
-               negative_slope, residual, false);
+               negative_slope, residual, reflection_pad.value_or(c10::IntArrayRef()), false);
 }
 
 // A Python argument of the eager front: None or a tensor (TypeError naming `name`
@@ -374,17 +419,35 @@ double float_argument(PyObject* value) {
   return number;
 }
 
+// None (empty) or a tuple or list of ints (TypeError naming `name` otherwise).
+std::vector<int64_t> int_list_argument(PyObject* value, const char* name) {
+  std::vector<int64_t> values;
+  if (value == Py_None) return values;
+  TORCH_CHECK_TYPE(PyTuple_Check(value) || PyList_Check(value), "instance_norm: ", name,
+                   " must be None or a tuple of ints, got ", Py_TYPE(value)->tp_name);
+  const Py_ssize_t size = PySequence_Fast_GET_SIZE(value);
+  for (Py_ssize_t i = 0; i < size; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(value, i);
+    TORCH_CHECK_TYPE(PyLong_Check(item) && !PyBool_Check(item), "instance_norm: ", name,
+                     " must be None or a tuple of ints, got an item of type ", Py_TYPE(item)->tp_name);
+    const long long number = PyLong_AsLongLong(item);
+    if (number == -1 && PyErr_Occurred()) throw python_error();
+    values.push_back(number);
+  }
+  return values;
+}
+
 // What eager Python calls: instance_norm(input, running_mean, running_var, weight,
-// bias, use_input_stats, momentum, eps, activation, negative_slope, residual), all
-// eleven positional, one call for the whole layer. A METH_FASTCALL function, as
-// PyTorch binds its own ops, not a pybind11 one: after the launch, pybind11's
-// conversion of eleven arguments was the largest piece of the front's host time
+// bias, use_input_stats, momentum, eps, activation, negative_slope, residual,
+// reflection_pad), all twelve positional, one call for the whole layer. A
+// METH_FASTCALL function, as PyTorch binds its own ops, not a pybind11 one: after
+// the launch, pybind11's conversion of eleven arguments was the largest piece of the front's host time
 // (docs/perf-notes.md #124). Errors reach Python as they did through pybind11
 // (HANDLE_TH_ERRORS: c10's TypeError and ValueError as Python's, other c10 errors as
 // RuntimeError; TORCH_WARN as a Python warning).
 PyObject* instance_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == 11, "instance_norm: the extension's front takes 11 positional arguments, got ",
+  TORCH_CHECK_TYPE(nargs == 12, "instance_norm: the extension's front takes 12 positional arguments, got ",
                    text(static_cast<int64_t>(nargs)));
   TORCH_CHECK_TYPE(THPVariable_Check(args[0]), "instance_norm: input must be a torch.Tensor, got ",
                    Py_TYPE(args[0])->tp_name);
@@ -403,7 +466,8 @@ PyObject* instance_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ss
                                 optional_tensor(args[2], "running_var"), optional_tensor(args[3], "weight"),
                                 optional_tensor(args[4], "bias"), use_input_stats != 0, float_argument(args[6]),
                                 float_argument(args[7]), activation, float_argument(args[9]),
-                                optional_tensor(args[10], "residual"), true));
+                                optional_tensor(args[10], "residual"), int_list_argument(args[11], "reflection_pad"),
+                                true));
   END_HANDLE_TH_ERRORS
 }
 
@@ -456,7 +520,7 @@ TensorTriple run_backward(const at::Tensor& grad_output, const at::Tensor& input
                          channel_sums);
   }
   return backward_op().call(grad_output, input, stats, weight, bias, epilogue.activation, epilogue.negative_slope,
-                            epilogue.residual, channel_sums);
+                            epilogue.residual, channel_sums, epilogue.reflection_pad);
 }
 
 // The pointer type of autograd nodes in this torch version: std::shared_ptr<Node>
@@ -481,7 +545,8 @@ auto make_node() {
 // and outputs' metadata) cost more host time than the forward op itself
 // (docs/perf-notes.md #107). The backward is not itself differentiable: a double
 // backward raises (BackwardFunction). Compiled autograd binds gradients() as a
-// function of its graph, as PyTorch's own nodes do.
+// function of its graph, as PyTorch's own nodes do. With a reflection pad, y and
+// its gradient are padded.
 class InstanceNormBackward : public torch::autograd::Node {
  public:
   torch::autograd::SavedVariable input, weight, stats;
@@ -490,13 +555,14 @@ class InstanceNormBackward : public torch::autograd::Node {
   int64_t activation = 0;
   double negative_slope = 0.0;
   int64_t bias_dtype = static_cast<int64_t>(at::kFloat);  // of the bias given, for its gradient
+  std::vector<int64_t> reflection_pad;
 
   std::string name() const override { return "InstanceNormBackward"; }
 
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     return gradients(grads, {input.unpack(), weight.unpack(), stats.unpack(), bias.unpack(), residual.unpack(),
-                             activation, negative_slope, bias_dtype, needed_gradients()});
+                             activation, negative_slope, bias_dtype, needed_gradients(), reflection_pad});
   }
 
   void release_variables() override {
@@ -511,13 +577,14 @@ class InstanceNormBackward : public torch::autograd::Node {
     args.collect(activation);
     args.collect(negative_slope);
     args.collect(bias_dtype);
+    args.collect(reflection_pad);
   }
 
   variable_list apply_with_saved(const variable_list& grads, torch::dynamo::autograd::SwapSavedVariables& saved) override {
     for (torch::autograd::SavedVariable* variable : {&input, &weight, &stats, &bias, &residual}) saved.before(*variable);
     const std::vector<c10::IValue> args{input.unpack(), weight.unpack(), stats.unpack(), bias.unpack(),
                                         residual.unpack(), activation, negative_slope, bias_dtype,
-                                        needed_gradients()};
+                                        needed_gradients(), reflection_pad};
     const auto& compiler = torch::dynamo::autograd::getPyCompilerInterface();
     // Bound once per process, as PyTorch's generated nodes bind theirs: the function
     // namespace is global and refuses a name twice.
@@ -525,7 +592,7 @@ class InstanceNormBackward : public torch::autograd::Node {
       const at::TypePtr tensor = at::TensorType::get(), integer = at::IntType::get();
       return compiler->bind_function(saved.get_py_compiler(), name(), &functional,
                                      {tensor, tensor, tensor, tensor, tensor, integer, at::FloatType::get(), integer,
-                                      integer},
+                                      integer, at::ListType::ofInts()},
                                      /*is_custom_function=*/false, /*is_traceable=*/true);
     }();
     const c10::IValue output_metadata =
@@ -539,14 +606,15 @@ class InstanceNormBackward : public torch::autograd::Node {
 
  private:
   // What the gradients are computed from: the saved tensors (undefined where
-  // absent), the epilogue, and which of the four gradients are needed (bit i for
-  // edge i).
+  // absent), the epilogue, which of the four gradients are needed (bit i for edge
+  // i), and the pad.
   struct Saved {
     at::Tensor input, weight, stats, bias, residual;
     int64_t activation;
     double negative_slope;
     int64_t bias_dtype;
     int64_t needed;
+    std::vector<int64_t> reflection_pad;
 
     bool needs(int edge) const { return (needed >> edge) & 1; }
   };
@@ -561,7 +629,7 @@ class InstanceNormBackward : public torch::autograd::Node {
   static variable_list functional(const variable_list& grads, const std::vector<c10::IValue>& args) {
     const auto tensor = [&](size_t i) { return args[i].isTensor() ? args[i].toTensor() : at::Tensor(); };
     return gradients(grads, {tensor(0), tensor(1), tensor(2), tensor(3), tensor(4), args[5].toInt(),
-                             args[6].toDouble(), args[7].toInt(), args[8].toInt()});
+                             args[6].toDouble(), args[7].toInt(), args[8].toInt(), args[9].toIntVector()});
   }
 
   static variable_list gradients(const variable_list& grads, const Saved& saved) {
@@ -570,28 +638,34 @@ class InstanceNormBackward : public torch::autograd::Node {
     const at::Tensor grad_output = like_layout(grads[0], saved.input);
     // Without a parameter that needs them (none given, or frozen), the kernel skips
     // the per-channel reductions.
-    auto [grad_input, grad_parameters, grad_residual] = run_backward(
-        grad_output, saved.input, saved.stats, defined_or_none(saved.weight), defined_or_none(saved.bias),
-        {saved.activation, saved.negative_slope, defined_or_none(saved.residual)}, saved.needs(1) || saved.needs(2));
+    auto [grad_input, grad_parameters, grad_residual] =
+        run_backward(grad_output, saved.input, saved.stats, defined_or_none(saved.weight),
+                     defined_or_none(saved.bias),
+                     {saved.activation, saved.negative_slope, defined_or_none(saved.residual), saved.reflection_pad},
+                     saved.needs(1) || saved.needs(2));
     if (saved.needs(0)) out[0] = grad_input;
     if (saved.needs(1)) out[1] = grad_parameters[0].to(saved.weight.scalar_type());
     if (saved.needs(2)) out[2] = grad_parameters[1].to(static_cast<at::ScalarType>(saved.bias_dtype));
-    // Without an activation the residual's gradient is dy itself.
-    if (saved.needs(3)) out[3] = saved.activation != 0 ? grad_residual : grad_output;
+    // Without an activation the residual's gradient is dy itself (unpadded).
+    if (saved.needs(3)) {
+      out[3] = saved.activation != 0 ? grad_residual
+                                     : reflection_pad_gradient(grad_output, saved.input, saved.reflection_pad);
+    }
     return out;
   }
 };
 
 TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps, int64_t activation,
-                            double negative_slope, const std::optional<at::Tensor>& residual) {
+                            double negative_slope, const std::optional<at::Tensor>& residual,
+                            c10::IntArrayRef reflection_pad) {
   TensorPair out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = forward_op().call(input, weight, bias, eps, activation, negative_slope, residual);
+    out = forward_op().call(input, weight, bias, eps, activation, negative_slope, residual, reflection_pad);
   }
   if (records_backward(input, weight, bias, residual)) {
-    attach_backward(out, input, weight, bias, activation, negative_slope, residual);
+    attach_backward(out, input, weight, bias, {activation, negative_slope, residual, reflection_pad.vec()});
   }
   return out;
 }
@@ -599,19 +673,19 @@ TensorPair forward_autograd(const at::Tensor& input, const std::optional<at::Ten
 // y's (forward_out's first tensor) backward node: saves what InstanceNormBackward
 // needs from the forward's arguments and its statistics (forward_out's second).
 void attach_backward(const TensorPair& forward_out, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                     const std::optional<at::Tensor>& bias, int64_t activation, double negative_slope,
-                     const std::optional<at::Tensor>& residual) {
+                     const std::optional<at::Tensor>& bias, const EpilogueArgs& epilogue) {
   auto node = make_node<InstanceNormBackward>();
-  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, epilogue.residual));
   node->input = torch::autograd::SavedVariable(input, false);
   node->weight = torch::autograd::SavedVariable(weight, false);
   node->stats = torch::autograd::SavedVariable(std::get<1>(forward_out), false);
-  if (activation != 0) {
+  if (epilogue.activation != 0) {
     node->bias = torch::autograd::SavedVariable(bias, false);
-    node->residual = torch::autograd::SavedVariable(residual, false);
+    node->residual = torch::autograd::SavedVariable(epilogue.residual, false);
   }
-  node->activation = activation;
-  node->negative_slope = negative_slope;
+  node->activation = epilogue.activation;
+  node->negative_slope = epilogue.negative_slope;
+  node->reflection_pad = epilogue.reflection_pad;
   if (bias) node->bias_dtype = static_cast<int64_t>(bias->scalar_type());
   torch::autograd::set_history(std::get<0>(forward_out), node);
 }
@@ -624,10 +698,11 @@ class BackwardFunction : public torch::autograd::Function<BackwardFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_output, const at::Tensor& input,
                                const at::Tensor& stats, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, int64_t activation, double negative_slope,
-                               const std::optional<at::Tensor>& residual, bool channel_sums) {
+                               const std::optional<at::Tensor>& residual, bool channel_sums,
+                               c10::IntArrayRef reflection_pad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [grad_input, grad_parameters, grad_residual] = backward_op().call(
-        grad_output, input, stats, weight, bias, activation, negative_slope, residual, channel_sums);
+        grad_output, input, stats, weight, bias, activation, negative_slope, residual, channel_sums, reflection_pad);
     return {grad_input, grad_parameters, grad_residual};
   }
 
@@ -640,15 +715,15 @@ class BackwardFunction : public torch::autograd::Function<BackwardFunction> {
 TensorTriple backward_autograd(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
                                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                int64_t activation, double negative_slope, const std::optional<at::Tensor>& residual,
-                               bool channel_sums) {
+                               bool channel_sums, c10::IntArrayRef reflection_pad) {
   if (!at::GradMode::is_enabled() || !(grad_output.requires_grad() || input.requires_grad() ||
                                        any_requires_grad({&weight, &bias, &residual}))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return backward_op().call(grad_output, input, stats, weight, bias, activation, negative_slope, residual,
-                              channel_sums);
+                              channel_sums, reflection_pad);
   }
   const variable_list out = BackwardFunction::apply(grad_output, input, stats, weight, bias, activation,
-                                                    negative_slope, residual, channel_sums);
+                                                    negative_slope, residual, channel_sums, reflection_pad);
   return {out[0], out[1], out[2]};
 }
 
@@ -863,13 +938,13 @@ at::Tensor workspace_for(size_t workspace_bytes, const at::Tensor& x) {
   return workspace_bytes > 0 ? new_buffer({static_cast<int64_t>(workspace_bytes)}, at::kByte, x) : at::Tensor();
 }
 
-// Runs `problem` (x set) into `output` on `path` (kAuto: the chosen one): plans
-// once, allocates the plan's workspace, launches the plan. Fills problem.y and
-// problem.workspace.
+// Runs `problem` (x set) into `output` on `path` (kAuto: the chosen one), padded by
+// `pad` where active: plans once, allocates the plan's workspace, launches the plan.
+// Fills problem.y and problem.workspace.
 void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::ForwardProblem& problem,
-                 instance_norm::ForwardPath path) {
+                 instance_norm::ForwardPath path, const instance_norm::ReflectionPad& pad = {}) {
   problem.y = output.data_ptr();  // before planning: the path may depend on y's alignment
-  const instance_norm::ForwardPlan plan = instance_norm::plan_forward(problem, path);
+  const instance_norm::ForwardPlan plan = instance_norm::plan_forward(problem, path, pad);
   TORCH_CHECK(plan.valid(), "path ", text(static_cast<int>(path)), " cannot run ", text(problem.num_slices()),
               " slices of ", text(problem.spatial), " ", x.scalar_type(),
               " elements in this layout on this GPU (see kernels/instance_norm.h)");
@@ -901,25 +976,63 @@ instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tens
   return epilogue;
 }
 
+// `pad` (checked by check_reflection_pad, or empty) as the kernels take it: 1D and 2D
+// inputs; inactive for 3D, whose pad the kernels do not write.
+instance_norm::ReflectionPad kernel_pad_of(const at::Tensor& x, c10::IntArrayRef pad) {
+  if (pad.empty() || x.dim() > 4) return {};
+  const auto value = [&](size_t i) { return static_cast<int>(pad[i]); };
+  if (x.dim() == 3) return {1, static_cast<int>(x.size(2)), 0, 0, value(0), value(1)};
+  return {static_cast<int>(x.size(2)), static_cast<int>(x.size(3)), value(2), value(3), value(0), value(1)};
+}
+
+// x's sizes with the spatial dims padded by `pad` (its values in F.pad order).
+std::vector<int64_t> padded_sizes(const at::Tensor& x, c10::IntArrayRef pad) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  for (size_t i = 0; i < pad.size(); ++i) sizes[sizes.size() - 1 - i / 2] += pad[i];
+  return sizes;
+}
+
+// The reflection pad the forward kernels write for this call on `path`
+// (instance_norm::forward_pads; inactive where they do not: the caller pads y).
+// epilogue.reflection_pad is checked (check_reflection_pad) or empty.
+instance_norm::ReflectionPad kernel_reflection_pad(const at::Tensor& x, instance_norm::Layout layout,
+                                                   const EpilogueArgs& epilogue, instance_norm::ForwardPath path) {
+  const instance_norm::ReflectionPad kernel_pad = kernel_pad_of(x, epilogue.reflection_pad);
+  if (!kernel_pad.active()) return {};
+  const ForwardParameters none(std::nullopt, std::nullopt, x);
+  instance_norm::ForwardProblem problem = make_problem(x, layout, none, 0.0);
+  problem.epilogue.residual = epilogue.residual ? x.data_ptr() : nullptr;  // only whether there is one counts
+  return instance_norm::forward_pads(problem, kernel_pad, path) ? kernel_pad : instance_norm::ReflectionPad{};
+}
+
 // What every forward launch of `x` needs: its output (allocated before any other
 // buffer of the call, so that tests which poison the block a same-sized output will
-// take see it land there), weight and bias as the kernels read them (kept alive
-// here), and the problem pointing at them. x is checked first, before anything is
-// allocated; members are initialized in this order.
+// take see it land there; padded where the kernels write the pad), weight and bias
+// as the kernels read them (kept alive here), and the problem pointing at them. x is
+// checked first, before anything is allocated; members are initialized in this
+// order.
 struct ForwardCall {
   instance_norm::Layout layout;
+  instance_norm::ReflectionPad pad;
   at::Tensor output;
   ForwardParameters parameters;
   at::Tensor residual;  // the epilogue's residual as the kernels read it (see kernel_epilogue)
   instance_norm::ForwardProblem problem;
 
   ForwardCall(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-              double eps, const EpilogueArgs& epilogue)
+              double eps, const EpilogueArgs& epilogue, instance_norm::ForwardPath path)
       : layout(check_kernel_input(x)),
-        output(dense_like(x)),
+        pad(kernel_reflection_pad(x, layout, epilogue, path)),
+        output(pad.active() ? new_buffer(padded_sizes(x, epilogue.reflection_pad), x.scalar_type(), x)
+                            : dense_like(x)),
         parameters(weight, bias, x),
         problem(make_problem(x, layout, parameters, eps)) {
     problem.epilogue = kernel_epilogue(epilogue, x, residual);
+  }
+
+  // The output as the op returns it: padded by PyTorch's op where the kernels did not.
+  at::Tensor result(const EpilogueArgs& epilogue) const {
+    return pad.active() ? output : reflection_padded(output, epilogue.reflection_pad);
   }
 };
 
@@ -930,26 +1043,28 @@ struct ForwardCall {
 // weight[c] plus bias[c], then the epilogue act(. + residual); stats the slices'
 // float32 statistics, (2, N * C): row 0 mean, row 1 rstd, in one tensor because each
 // allocation costs host time. Without save_stats, stats is undefined (None) and
-// nothing is allocated for it.
+// nothing is allocated for it. With epilogue.reflection_pad, y is padded after the
+// epilogue (contiguous): by the kernel where forward_pads, else by PyTorch's op.
 TensorPair forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias, double eps, const EpilogueArgs& epilogue,
                         instance_norm::ForwardPath path, bool save_stats) {
   const c10::cuda::CUDAGuard device_guard(x.device());  // CUDA tensors only reach here
-  ForwardCall call(x, weight, bias, eps, epilogue);
+  ForwardCall call(x, weight, bias, eps, epilogue, path);
   at::Tensor stats;
   if (save_stats) {
     stats = new_buffer({2, call.problem.num_slices()}, at::kFloat, x);
     call.problem.mean = stats.data_ptr<float>();
     call.problem.rstd = call.problem.mean + call.problem.num_slices();
   }
-  run_forward(x, call.output, call.problem, path);
-  return {call.output, stats};
+  run_forward(x, call.output, call.problem, path, call.pad);
+  return {call.result(epilogue), stats};
 }
 
 TensorPair forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias, double eps, int64_t activation, double negative_slope,
-                        const std::optional<at::Tensor>& residual) {
-  return forward_impl(input, weight, bias, eps, {activation, negative_slope, residual},
+                        const std::optional<at::Tensor>& residual, c10::IntArrayRef reflection_pad) {
+  check_reflection_pad(input, reflection_pad);
+  return forward_impl(input, weight, bias, eps, {activation, negative_slope, residual, reflection_pad.vec()},
                       instance_norm::ForwardPath::kAuto, true);
 }
 
@@ -971,7 +1086,7 @@ at::Tensor forward_eval_cuda(const at::Tensor& input, const at::Tensor& running_
                              double eps, int64_t activation, double negative_slope,
                              const std::optional<at::Tensor>& residual) {
   const c10::cuda::CUDAGuard device_guard(input.device());  // CUDA tensors only reach here
-  ForwardCall call(input, weight, bias, eps, {activation, negative_slope, residual});
+  ForwardCall call(input, weight, bias, eps, {activation, negative_slope, residual}, instance_norm::ForwardPath::kAuto);
   const std::optional<at::Tensor> mean_f32 = channel_float32(running_mean, "running_mean", input);
   const std::optional<at::Tensor> var_f32 = channel_float32(running_var, "running_var", input);
   call.problem.running_mean = mean_f32->data_ptr<float>();
@@ -1000,11 +1115,16 @@ void update_running_stats_cuda(const at::Tensor& running_mean, const at::Tensor&
   if (!var_f32.is_same(running_var)) running_var.copy_(var_f32);
 }
 
+// The backward problem of grad_output (with an active pad: the gradient of the
+// padded y, contiguous) and input, without the statistics and buffers.
 instance_norm::BackwardProblem make_backward_problem(const at::Tensor& grad_output, const at::Tensor& input,
                                                      instance_norm::Layout layout,
-                                                     const std::optional<at::Tensor>& weight_f32) {
-  TORCH_CHECK(grad_output.sizes() == input.sizes() && grad_output.strides() == input.strides() &&
-                  grad_output.scalar_type() == input.scalar_type() && grad_output.device() == input.device(),
+                                                     const std::optional<at::Tensor>& weight_f32,
+                                                     const instance_norm::ReflectionPad& pad) {
+  TORCH_CHECK(grad_output.scalar_type() == input.scalar_type() && grad_output.device() == input.device() &&
+                  (pad.active() ? grad_output.is_contiguous() &&
+                                      grad_output.numel() == input.size(0) * input.size(1) * pad.padded_spatial()
+                                : grad_output.sizes() == input.sizes() && grad_output.strides() == input.strides()),
               "backward: grad_output must have the input's shape, strides, dtype and device");
   instance_norm::BackwardProblem problem{};
   problem.x = input.data_ptr();
@@ -1016,6 +1136,24 @@ instance_norm::BackwardProblem make_backward_problem(const at::Tensor& grad_outp
   problem.spatial = spatial_size(input);
   problem.weight = weight_f32 ? weight_f32->data_ptr<float>() : nullptr;
   return problem;
+}
+
+// The pad the backward kernels read for this call on `path` (instance_norm::
+// backward_pads; inactive where they do not: the caller folds the padded gradient
+// first). grad_output: the gradient of y padded by epilogue.reflection_pad (checked),
+// or of y where that is empty.
+instance_norm::ReflectionPad kernel_backward_pad(const at::Tensor& grad_output, const at::Tensor& input,
+                                                 instance_norm::Layout layout, const EpilogueArgs& epilogue,
+                                                 instance_norm::BackwardPath path) {
+  const instance_norm::ReflectionPad pad = kernel_pad_of(input, epilogue.reflection_pad);
+  if (!pad.active() || !grad_output.is_contiguous() ||
+      grad_output.sizes() != padded_sizes(input, epilogue.reflection_pad)) {
+    return {};
+  }
+  instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, std::nullopt, pad);
+  problem.epilogue.activation = static_cast<instance_norm::Activation>(epilogue.activation);
+  problem.epilogue.residual = epilogue.residual ? input.data_ptr() : nullptr;  // only whether there is one counts
+  return instance_norm::backward_pads(problem, pad, path) ? pad : instance_norm::ReflectionPad{};
 }
 
 instance_norm::BackwardPath checked_backward_path(int64_t path) {
@@ -1035,19 +1173,25 @@ instance_norm::BackwardPath checked_backward_path(int64_t path) {
 // (2, 0) and the reduction is skipped. grad_residual is g (the input's dtype and
 // layout) with a residual and an activation, else undefined (nothing allocated; the op
 // returns an empty tensor): without an activation the residual's gradient is
-// grad_output itself.
+// grad_output itself. With epilogue.reflection_pad, grad_output is the gradient of
+// the padded y (contiguous): read padded by the kernel where backward_pads, else
+// folded first by PyTorch's pad backward.
 TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            const EpilogueArgs& epilogue, instance_norm::BackwardPath path, bool channel_sums) {
   const instance_norm::Layout layout = check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
+  const instance_norm::ReflectionPad pad = kernel_backward_pad(grad_output, input, layout, epilogue, path);
+  const at::Tensor dy = epilogue.reflection_pad.empty() || pad.active()
+                            ? grad_output
+                            : like_layout(reflection_pad_gradient(grad_output, input, epilogue.reflection_pad), input);
   const auto [mean, rstd] = stats_rows(stats, input);
   at::Tensor grad_input = dense_like(input);
   const bool activation = epilogue.activation != 0;
   const at::Tensor grad_residual = activation && epilogue.residual ? dense_like(input) : at::Tensor();
   const std::optional<at::Tensor> weight_f32 = channel_float32(weight, "weight", input);
   const std::optional<at::Tensor> bias_f32 = activation ? channel_float32(bias, "bias", input) : std::nullopt;
-  instance_norm::BackwardProblem problem = make_backward_problem(grad_output, input, layout, weight_f32);
+  instance_norm::BackwardProblem problem = make_backward_problem(dy, input, layout, weight_f32, pad);
   problem.mean = mean;
   problem.rstd = rstd;
   at::Tensor residual;  // kept alive over the launch (see kernel_epilogue)
@@ -1055,7 +1199,7 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   problem.bias = bias_f32 ? bias_f32->data_ptr<float>() : nullptr;
   problem.grad_residual = grad_residual.defined() ? grad_residual.data_ptr() : nullptr;
   problem.dx = grad_input.data_ptr();  // before planning: the path may depend on dx's alignment
-  const instance_norm::BackwardPlan plan = instance_norm::plan_backward(problem, path);
+  const instance_norm::BackwardPlan plan = instance_norm::plan_backward(problem, path, pad);
   TORCH_CHECK(plan.valid(), "backward path ", text(static_cast<int>(path)),
               " cannot run this input on this GPU (see kernels/instance_norm.h)");
   const at::Tensor workspace = workspace_for(plan.workspace_bytes, input);
@@ -1084,8 +1228,10 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
 TensorTriple backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            int64_t activation, double negative_slope, const std::optional<at::Tensor>& residual,
-                           bool channel_sums) {
-  auto out = backward_impl(grad_output, input, stats, weight, bias, {activation, negative_slope, residual},
+                           bool channel_sums, c10::IntArrayRef reflection_pad) {
+  check_reflection_pad(input, reflection_pad);
+  auto out = backward_impl(grad_output, input, stats, weight, bias,
+                           {activation, negative_slope, residual, reflection_pad.vec()},
                            instance_norm::BackwardPath::kAuto, channel_sums);
   // The schema's third output is a tensor: an empty one where there is no residual's gradient.
   if (!std::get<2>(out).defined()) std::get<2>(out) = float_buffer(0, input);
@@ -1099,39 +1245,43 @@ TensorTriple backward_cuda(const at::Tensor& grad_output, const at::Tensor& inpu
 // The epilogue of a test call: activation by its front name, the residual in the
 // input's layout (the ops align it).
 EpilogueArgs test_epilogue(const at::Tensor& input, const std::optional<std::string>& activation,
-                           double negative_slope, const std::optional<at::Tensor>& residual) {
+                           double negative_slope, const std::optional<at::Tensor>& residual,
+                           const std::vector<int64_t>& reflection_pad) {
   const std::optional<c10::string_view> name =
       activation ? std::optional<c10::string_view>(*activation) : std::nullopt;
+  check_reflection_pad(input, reflection_pad);
   return {activation_code(name), negative_slope,
-          residual ? std::optional<at::Tensor>(like_layout(*residual, input)) : std::nullopt};
+          residual ? std::optional<at::Tensor>(like_layout(*residual, input)) : std::nullopt, reflection_pad};
 }
 
 TensorPair forward_with_stats(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                               const std::optional<at::Tensor>& bias, double eps, int64_t path, bool save_stats,
                               const std::optional<std::string>& activation, double negative_slope,
-                              const std::optional<at::Tensor>& residual) {
+                              const std::optional<at::Tensor>& residual, const std::vector<int64_t>& reflection_pad) {
   TORCH_CHECK(input.is_cuda(), "input must be a CUDA tensor, got a tensor on ", input.device());
   TORCH_CHECK(eps >= 0.0, "eps must be >= 0, got ", text(eps));
   const at::Tensor x = readable(input);
-  return forward_impl(x, weight, bias, eps, test_epilogue(x, activation, negative_slope, residual), checked_path(path),
-                      save_stats);
+  return forward_impl(x, weight, bias, eps, test_epilogue(x, activation, negative_slope, residual, reflection_pad),
+                      checked_path(path), save_stats);
 }
 
 at::Tensor forward_test(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias, double eps, int64_t path,
                         const std::optional<std::string>& activation, double negative_slope,
-                        const std::optional<at::Tensor>& residual) {
-  return std::get<0>(
-      forward_with_stats(input, weight, bias, eps, path, false, activation, negative_slope, residual));
+                        const std::optional<at::Tensor>& residual, const std::vector<int64_t>& reflection_pad) {
+  return std::get<0>(forward_with_stats(input, weight, bias, eps, path, false, activation, negative_slope, residual,
+                                        reflection_pad));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_test(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& stats,
     const std::optional<at::Tensor>& weight, int64_t path, bool channel_sums, const std::optional<at::Tensor>& bias,
-    const std::optional<std::string>& activation, double negative_slope, const std::optional<at::Tensor>& residual) {
-  const auto [grad_input, grad_parameters, grad_residual] =
-      backward_impl(grad_output, input, stats, weight, bias, test_epilogue(input, activation, negative_slope, residual),
-                    checked_backward_path(path), channel_sums);
+    const std::optional<std::string>& activation, double negative_slope, const std::optional<at::Tensor>& residual,
+    const std::vector<int64_t>& reflection_pad) {
+  const auto [grad_input, grad_parameters, grad_residual] = backward_impl(
+      grad_output, input, stats, weight, bias,
+      test_epilogue(input, activation, negative_slope, residual, reflection_pad), checked_backward_path(path),
+      channel_sums);
   return {grad_input, grad_parameters[0], grad_parameters[1], grad_residual};
 }
 
@@ -1144,7 +1294,7 @@ bool backward_path_supported(const at::Tensor& input, int64_t path, bool residua
   if (path < 0 || path >= instance_norm::kNumBackwardPaths || !layout) return false;
   check_kernel_input(input);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  instance_norm::BackwardProblem problem = make_backward_problem(input, input, *layout, std::nullopt);
+  instance_norm::BackwardProblem problem = make_backward_problem(input, input, *layout, std::nullopt, {});
   if (residual_gradient) {
     problem.epilogue.activation = instance_norm::Activation::kRelu;
     problem.epilogue.residual = input.data_ptr();
@@ -1191,11 +1341,12 @@ py::dict capacities_by_dtype(Capacities (*capacities)(instance_norm::DType), Ent
 TORCH_LIBRARY(instance_norm_cuda, m) {
   m.def("instance_norm(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor? weight, "
         "Tensor? bias, bool use_input_stats, float momentum, float eps, str? activation=None, "
-        "float negative_slope=0.01, Tensor? residual=None) -> Tensor");
+        "float negative_slope=0.01, Tensor? residual=None, int[]? reflection_pad=None) -> Tensor");
   m.def("forward(Tensor input, Tensor? weight, Tensor? bias, float eps, int activation, float negative_slope, "
-        "Tensor? residual) -> (Tensor, Tensor)");
+        "Tensor? residual, int[] reflection_pad=[]) -> (Tensor, Tensor)");
   m.def("backward(Tensor grad_output, Tensor input, Tensor stats, Tensor? weight, Tensor? bias, int activation, "
-        "float negative_slope, Tensor? residual, bool channel_sums) -> (Tensor, Tensor, Tensor)");
+        "float negative_slope, Tensor? residual, bool channel_sums, int[] reflection_pad=[]) -> (Tensor, Tensor, "
+        "Tensor)");
   m.def("forward_eval(Tensor input, Tensor running_mean, Tensor running_var, Tensor? weight, Tensor? bias, "
         "float eps, int activation, float negative_slope, Tensor? residual) -> Tensor");
   m.def("update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor input, Tensor stats, "
@@ -1231,25 +1382,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   static PyMethodDef fastcall_methods[] = {
       {"instance_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&instance_norm_eager)),
        METH_FASTCALL,
-       "F.instance_norm on the kernels, then the epilogue: (input, running_mean, running_var, weight, bias, "
-       "use_input_stats, momentum, eps, activation, negative_slope, residual), positional"},
+       "F.instance_norm on the kernels, then the epilogue and the pad: (input, running_mean, running_var, weight, "
+       "bias, use_input_stats, momentum, eps, activation, negative_slope, residual, reflection_pad), positional"},
       {nullptr, nullptr, 0, nullptr}};
   if (PyModule_AddFunctions(m.ptr(), fastcall_methods) != 0) throw py::error_already_set();
   m.def("forward", &forward_test, "forward (y only) on a forced path (0 = automatic)", py::arg("input"),
         py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5, py::arg("path") = 0,
-        py::arg("activation") = py::none(), py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
+        py::arg("activation") = py::none(), py::arg("negative_slope") = 0.01, py::arg("residual") = py::none(),
+        py::arg("reflection_pad") = std::vector<int64_t>());
   m.def("forward_with_stats", &forward_with_stats,
         "forward on a forced path: (y, stats), stats float32 (2, N * C) of the slices' mean (row 0) and rstd (row 1)",
         py::arg("input"), py::arg("weight") = py::none(), py::arg("bias") = py::none(), py::arg("eps") = 1e-5,
         py::arg("path") = 0, py::arg("save_stats") = true, py::arg("activation") = py::none(),
-        py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
+        py::arg("negative_slope") = 0.01, py::arg("residual") = py::none(),
+        py::arg("reflection_pad") = std::vector<int64_t>());
   m.def("backward", &backward_test,
         "backward on a forced path: (grad_input, grad_weight, grad_bias, grad_residual); grad_residual is None "
         "without a residual and an activation",
         py::arg("grad_output"),
         py::arg("input"), py::arg("stats"), py::arg("weight") = py::none(), py::arg("path") = 0,
         py::arg("channel_sums") = true, py::arg("bias") = py::none(), py::arg("activation") = py::none(),
-        py::arg("negative_slope") = 0.01, py::arg("residual") = py::none());
+        py::arg("negative_slope") = 0.01, py::arg("residual") = py::none(),
+        py::arg("reflection_pad") = std::vector<int64_t>());
   m.def("backward_path_supported", &backward_path_supported,
         "Whether backward(..., path) can run this input on its device (residual_gradient: with a residual's "
         "gradient through an activation)",

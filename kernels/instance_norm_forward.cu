@@ -106,9 +106,16 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // instructions than they save (docs/perf-notes.md #88, #90). 2048 / THREADS CTAs per SM in the launch
 // bounds hold the kernel at 32 registers (without them ptxas takes 40-63 in four of
 // the nine, and fewer 512-thread CTAs than the shared memory allows would fit an SM).
-// Grid-stride over slices, any alignment and GPU.
-template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(const ForwardProblem p) {
+// Grid-stride over slices, any alignment and GPU. Pad: empty, or ReflectionPad, the
+// padded kernel (forward_pads: no residual), whose y is the slices padded by `pad`,
+// written value by value from each value's reflected source in shared memory. The pad
+// is an optional trailing parameter, not a field of the problem nor an argument of
+// a shared body, so that the plain kernels keep their machine code (both moved
+// ptxas's output, docs/perf-notes.md #161).
+template <typename T, int THREADS, typename... Pad>
+__global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(const ForwardProblem p, Pad... pad) {
+  static_assert(sizeof...(Pad) <= 1, "one pad at most");
+  constexpr bool kPadded = sizeof...(Pad) == 1;
   using S = Storage<T>;
   constexpr int kPer = S::kPerVector;
   using SumsReduce = BlockAllReduce<float2, THREADS, SumFloat2>;
@@ -173,7 +180,19 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     const auto y_of = [&](float x) { return __fmaf_rn(shift.apply(x), scale, offset); };
-    if (aligned16(slice_y)) {
+    if constexpr (kPadded) {
+      const ReflectionPad padding{pad...};
+      const int width = padding.padded_width(), padded = static_cast<int>(padding.padded_spatial());
+      T* const padded_y = static_cast<T*>(p.y) + slice * padded;
+      int row = static_cast<int>(threadIdx.x) / width, column = static_cast<int>(threadIdx.x) - row * width;
+      for (int i = threadIdx.x; i < padded; i += THREADS) {
+        const int source = reflect(row - padding.top, padding.height) * padding.width +
+                           reflect(column - padding.left, padding.width);
+        const float value = y_of(S::to_float(slice_values[source]));
+        padded_y[i] = S::from_float(epilogue_value(p.epilogue, p.y, padded_y + i, value));
+        for (column += THREADS; column >= width; column -= width) ++row;
+      }
+    } else if (aligned16(slice_y)) {
       for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
         float values[kPer];
         S::unpack(slice_vectors[v], values);
@@ -846,7 +865,7 @@ KernelLaunch<ForwardProblem> block_launch_for(const ForwardProblem& p) {
     constexpr int kThreads = decltype(threads)::value;
     const Kernel kernel = p.layout == Layout::kChannelsLast
                               ? forward_block_channels_last_kernel<T, kThreads, kChannelsLastTileVectors>
-                              : forward_block_kernel<T, kThreads>;
+                              : static_cast<Kernel>(forward_block_kernel<T, kThreads>);
     return {LaunchKind::kPlain, kernel, grid_for(block_work(p), 1), kThreads, shared_bytes, 0, 0};
   };
   const int sms = current_sm_count();
@@ -878,6 +897,28 @@ ForwardPlan block_plan(const ForwardProblem& p) {
     return cudaSuccess;
   });
   if (plan.launch.kernel != nullptr && launch_ctas_per_sm(plan.launch) >= 1) plan.path = ForwardPath::kBlock;
+  return plan;
+}
+
+// The block plan of p with y padded by `pad` (forward_pads): the plain plan's launch
+// with the padded kernel of its dtype and CTA size.
+ForwardPlan padded_block_plan(const ForwardProblem& p, const ReflectionPad& pad) {
+  ForwardPlan plan = block_plan(p);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (plan.launch.threads) {
+      case 128: plan.padded_kernel = forward_block_kernel<T, 128, ReflectionPad>; break;
+      case 256: plan.padded_kernel = forward_block_kernel<T, 256, ReflectionPad>; break;
+      default: plan.padded_kernel = forward_block_kernel<T, 512, ReflectionPad>; break;
+    }
+    return cudaSuccess;
+  });
+  // Raises the padded kernel's shared-memory limit as the plain one's was.
+  if (!plan.valid() || ctas_per_sm(reinterpret_cast<const void*>(plan.padded_kernel), plan.launch.threads,
+                                   plan.launch.shared_bytes) < 1) {
+    return {};
+  }
+  plan.pad = pad;
   return plan;
 }
 
@@ -1036,9 +1077,10 @@ ForwardPlan path_plan(ForwardPath path, const ForwardProblem& p) {
 
 }  // namespace forward_detail
 
-ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced) {
+ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, const ReflectionPad& pad) {
   using namespace forward_detail;
   ++plan_counters().forward;
+  if (pad.active()) return forward_pads(problem, pad, forced) ? padded_block_plan(problem, pad) : ForwardPlan{};
   if (problem.num_slices() <= 0 || problem.spatial <= 0) {
     ForwardPlan plan{};  // nothing to launch, on any path
     plan.path = forced == ForwardPath::kAuto ? chosen_plan(problem).path : forced;
@@ -1052,10 +1094,25 @@ ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced) {
   return path_plan(forced, problem);
 }
 
+bool forward_pads(const ForwardProblem& p, const ReflectionPad& pad, ForwardPath forced) {
+  using namespace forward_detail;
+  if (!pad.active() || p.layout != Layout::kContiguous || p.epilogue.residual != nullptr ||
+      p.running_mean != nullptr || p.num_slices() <= 0 || p.spatial <= 0) {
+    return false;
+  }
+  if (forced == ForwardPath::kBlock) return block_plan(p).valid();
+  return forced == ForwardPath::kAuto && p.spatial > kWarpMaxSpatial && block_preferred(p, block_plan(p));
+}
+
 cudaError_t forward(const ForwardProblem& problem, const ForwardPlan& plan, cudaStream_t stream) {
   if (problem.num_slices() <= 0 || problem.spatial <= 0) return cudaSuccess;
   if (problem.y == nullptr || !plan.valid()) return cudaErrorInvalidValue;
   if (plan.path == ForwardPath::kSplit) return launch_split(problem, plan.split, stream);
+  if (plan.pad.active()) {
+    const KernelLaunch<ForwardProblem>& launch = plan.launch;
+    plan.padded_kernel<<<launch.grid, launch.threads, launch.shared_bytes, stream>>>(problem, plan.pad);
+    return cudaGetLastError();
+  }
   return launch_kernel(plan.launch, problem, stream);
 }
 

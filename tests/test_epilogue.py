@@ -1,6 +1,7 @@
 """CPU tests of the fused epilogues' interface: the functional's CPU and float64
 fallback (the same composition with PyTorch ops), its errors, the modules'
-activation option, and convert_instance_norm on the real-network benchmark's nets."""
+activation and reflection_pad options, convert_instance_norm on the real-network
+benchmark's nets, and the torch.compile rewrite."""
 import copy
 import pickle
 
@@ -40,6 +41,43 @@ def test_epilogue_errors_name_the_argument(solution):
         solution.InstanceNorm2d(3, activation="tanh")
 
 
+@pytest.mark.parametrize("shape,pad", [((2, 3, 9), (2, 3)), ((2, 3, 6, 7), (1, 2, 3, 0)),
+                                       ((1, 2, 4, 5, 6), (1, 1, 2, 0, 3, 3))], ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fallback_reflection_pad_is_the_pytorch_composition(solution, shape, pad, dtype):
+    """act(norm(x) + r) padded as F.pad(..., mode="reflect") pads it, forward and
+    gradients (the functional and the module)."""
+    torch.manual_seed(8)
+    x, r = torch.randn(shape, dtype=dtype, requires_grad=True), torch.randn(shape, dtype=dtype, requires_grad=True)
+    weight = torch.randn(shape[1], dtype=dtype, requires_grad=True)
+    out = solution.instance_norm(x, weight=weight, activation="silu", residual=r, reflection_pad=list(pad))
+    expected = F.pad(F.silu(F.instance_norm(x, weight=weight) + r), pad, mode="reflect")
+    torch.testing.assert_close(out, expected)
+    g = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(out, (x, r, weight), g),
+                               torch.autograd.grad(expected, (x, r, weight), g))
+    module = getattr(solution, f"InstanceNorm{len(shape) - 2}d")(shape[1], activation="relu", reflection_pad=pad)
+    assert f"reflection_pad={pad}" in repr(module)
+    torch.testing.assert_close(module(x.detach()), F.pad(F.relu(F.instance_norm(x.detach())), pad, mode="reflect"))
+
+
+def test_reflection_pad_errors_name_the_argument(solution):
+    x = torch.randn(2, 3, 6, 7)
+    with pytest.raises(ValueError, match=r"reflection_pad must have 4 values \(2 per spatial dim\), got 2"):
+        solution.instance_norm(x, reflection_pad=(1, 1))
+    with pytest.raises(ValueError, match="reflection_pad values must be >= 0 and less than the size of the dim they "
+                                         "pad, got 6 for dim 2 of size 6"):
+        solution.instance_norm(x, reflection_pad=(1, 1, 0, 6))
+    with pytest.raises(ValueError, match="got -1 for dim 3 of size 7"):
+        solution.instance_norm(x, reflection_pad=(-1, 1, 0, 0))
+    with pytest.raises(TypeError, match="reflection_pad must be None or a sequence of ints"):
+        solution.instance_norm(x, reflection_pad=(1.0, 1, 1, 1))
+    with pytest.raises(TypeError, match="reflection_pad must be None or a sequence of ints"):
+        solution.instance_norm(x, reflection_pad=1)
+    with pytest.raises(ValueError, match=r"reflection_pad must have 6 values \(2 per spatial dim\), got 4"):
+        solution.InstanceNorm3d(3, reflection_pad=(1, 1, 1, 1))
+
+
 def test_module_activation_and_repr(solution):
     torch.manual_seed(3)
     module = solution.InstanceNorm2d(3, affine=True, activation="leaky_relu", negative_slope=0.3)
@@ -50,14 +88,15 @@ def test_module_activation_and_repr(solution):
 
 
 # net: (norms, activations the converter folds: those in an nn.Sequential right after a
-# norm; the transformer net calls F.relu, which no module converter can see), input.
-CONVERSIONS = {"transformer": (15, 0, (1, 3, 32, 32)), "cyclegan": (23, 14, (1, 3, 32, 32)),
-               "unet3d": (18, 18, (1, 1, 32, 32, 32))}
+# norm; the transformer net calls F.relu, which no module converter can see, reflection
+# pads it folds: CycleGAN's after each block's first norm and before its last conv), input.
+CONVERSIONS = {"transformer": (15, 0, 0, (1, 3, 32, 32)), "cyclegan": (23, 14, 10, (1, 3, 32, 32)),
+               "unet3d": (18, 18, 0, (1, 1, 32, 32, 32))}
 
 
 @pytest.mark.parametrize("net", sorted(CONVERSIONS))
 def test_converter_keeps_outputs_gradients_and_parameters(solution, nets, net):
-    norms, fused, shape = CONVERSIONS[net]
+    norms, fused, padded, shape = CONVERSIONS[net]
     torch.manual_seed(4)
     model = nets.build(net, "pytorch", "cpu").double()
     x = torch.randn(shape, dtype=torch.float64)
@@ -68,6 +107,7 @@ def test_converter_keeps_outputs_gradients_and_parameters(solution, nets, net):
     assert len(ours) == norms and not any(isinstance(m, nn.modules.instancenorm._InstanceNorm)
                                           for m in converted.modules())
     assert sum(m.activation is not None for m in ours) == fused
+    assert sum(m.reflection_pad is not None for m in ours) == padded
     assert all(p is parameters[name] for name, p in converted.named_parameters())  # the same Parameter objects
     for p in converted.parameters():
         p.grad = None
@@ -84,6 +124,20 @@ def test_converter_replaces_a_bare_norm_and_keeps_its_state(solution):
     assert converted.running_mean is norm.running_mean and converted.weight is norm.weight
     unfused = solution.convert_instance_norm(nn.Sequential(nn.InstanceNorm2d(2), nn.ReLU()), fuse_activations=False)
     assert isinstance(unfused[1], nn.ReLU) and unfused[0].activation is None
+
+
+def test_converter_folds_only_a_reflection_pad_of_the_norms_dims_after_it(solution):
+    padded = solution.convert_instance_norm(
+        nn.Sequential(nn.InstanceNorm2d(2), nn.ReLU(), nn.ReflectionPad2d((1, 2, 0, 1))))
+    assert padded[0].reflection_pad == (1, 2, 0, 1) and isinstance(padded[2], nn.Identity)
+    kept = solution.convert_instance_norm(nn.Sequential(nn.InstanceNorm2d(2), nn.ReflectionPad1d(1)))
+    assert kept[0].reflection_pad is None and isinstance(kept[1], nn.ReflectionPad1d)
+    kept = solution.convert_instance_norm(nn.Sequential(nn.InstanceNorm2d(2), nn.ReLU(), nn.ReflectionPad2d(1)),
+                                          fuse_activations=False)
+    assert kept[0].reflection_pad is None and isinstance(kept[2], nn.ReflectionPad2d)
+    kept = solution.convert_instance_norm(nn.Sequential(nn.InstanceNorm2d(2), nn.ReflectionPad2d(1)),
+                                          fuse_padding=False)
+    assert kept[0].reflection_pad is None and isinstance(kept[1], nn.ReflectionPad2d)
 
 
 def captured_and_rewritten(solution, fn, *inputs):
@@ -167,6 +221,55 @@ def test_compile_fusion_rewrites_only_what_it_can_fold(solution, case):
     out, record = captured_and_rewritten(solution, make(norm, fused), x, r.clone())
     assert (record["folded"], record["calls"]) == (folds, calls)
     torch.testing.assert_close(out, expected)
+
+
+def _pad_of_sum(norm):
+    def fn(x, r):
+        return F.pad(norm(x) + r, (1, 1, 1, 1), mode="reflect")
+    return fn
+
+
+# case: (fn of a norm -> fn of (x, r), input size (H, W), folds, the rewritten graph's
+# instance_norm calls as (activation, reflection_pad, has residual))
+PAD_FUSION_CASES = {
+    "relu then pad": (lambda n: lambda x, r: F.pad(F.relu(n(x)), (1, 1, 1, 1), mode="reflect"), (40, 40), 2,
+                      [("relu", [1, 1, 1, 1], False)]),
+    "pad module": (lambda n: lambda x, r: nn.ReflectionPad2d((2, 1, 0, 3))(n(x)), (40, 40), 1,
+                   [(None, [2, 1, 0, 3], False)]),
+    "pad then relu": (lambda n: lambda x, r: F.relu(F.pad(n(x), (1, 1, 1, 1), "reflect")), (40, 40), 1,
+                      [(None, [1, 1, 1, 1], False)]),
+    "constant pad": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1)), (40, 40), 0, [(None, None, False)]),
+    "pad of a residual add": (lambda n: _pad_of_sum(n), (40, 40), 1, [(None, None, True)]),
+    "warp-path slices": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1), mode="reflect"), (16, 16), 0,
+                         [(None, None, False)]),
+    "slices past the backward block path": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1), mode="reflect"),
+                                            (128, 160), 0, [(None, None, False)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PAD_FUSION_CASES))
+def test_compile_fusion_folds_a_reflection_pad_where_the_kernels_take_it(solution, case):
+    """A reflection pad after a norm (and its activation) folds where the block paths
+    would write and read it (float32 slices of 1,025 to 16,384 values, no residual);
+    the rewritten graph computes what fn computes (on CPU, PyTorch's composition)."""
+    make, size, folds, calls = PAD_FUSION_CASES[case]
+    torch.manual_seed(9)
+    norm = solution.InstanceNorm2d(3)
+    x, r = torch.randn(2, 3, *size), torch.randn(2, 3, *size)
+    record = {}
+
+    def backend(gm, example_inputs):
+        record["folded"] = solution._fuse_epilogues(gm.graph)
+        gm.recompile()
+        arguments = solution._FRONT_ARGUMENTS
+        record["calls"] = [(n.args[8], n.args[11], n.args[10] is not None) if len(n.args) == len(arguments)
+                           else (None, None, False) for n in gm.graph.nodes if n.target in solution._FRONT_TARGETS]
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(make(norm), backend=backend, fullgraph=True)(x, r)
+    assert (record["folded"], record["calls"]) == (folds, calls)
+    torch.testing.assert_close(out, make(norm)(x, r))
 
 
 def through_aot_autograd(solution, module, x):
@@ -287,7 +390,7 @@ def test_compile_fusion_on_the_nets_keeps_outputs_and_gradients(solution, nets, 
     folds, dropped, traced_biases = NET_REWRITES[net]
     torch.manual_seed(7)
     model = nets.build(net, "ours", "cpu").double()
-    x = torch.randn(CONVERSIONS[net][2], dtype=torch.float64)
+    x = torch.randn(CONVERSIONS[net][3], dtype=torch.float64)
     expected_out, expected_grads = nets.output_and_gradients(copy.deepcopy(model), x)
     out, _, grads, folded, dropped_here, with_bias = through_aot_autograd(solution, model, x)
     assert (folded, dropped_here, with_bias) == (folds + dropped, dropped, traced_biases)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reference import (BACKWARD_GENERIC, BACKWARD_PATHS, BLOCK, FORWARD_PATHS, HOPPER_BACKWARD_PATHS,
+from reference import (BACKWARD_BLOCK, BACKWARD_GENERIC, BACKWARD_PATHS, BLOCK, FORWARD_PATHS, HOPPER_BACKWARD_PATHS,
                        HOPPER_FORWARD_PATHS, SPLIT, TOLERANCE, WARP, channels_last, float64_reference, hopper,
                        run_poisoned)
 
@@ -315,3 +315,124 @@ def test_residual_view_at_an_odd_offset(solution):
     torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(x.grad, x64.grad.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(base.grad, base64.grad.float(), atol=1e-4, rtol=1e-4)
+
+
+# (shape, reflection_pad in F.pad's order): 2D with a vector crossing rows (width 50),
+# asymmetric pads, a height of 3 whose middle row both pads reflect (9 padded values
+# hold one value at its corners), 1D; all on the block paths.
+PAD_CASES = (((2, 8, 48, 40), (1, 1, 1, 1)), ((3, 4, 36, 50), (2, 0, 3, 1)), ((1, 2, 3, 520), (2, 2, 2, 2)),
+             ((2, 4, 2048), (5, 3)))
+PAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def padded64(x, weight, bias, activation, pad):
+    return F.pad(reference64(x, weight, bias, None, activation), pad, mode="reflect")
+
+
+@pytest.mark.parametrize("activation", (None, "relu", "gelu_tanh"), ids=str)
+@pytest.mark.parametrize("dtype", PAD_DTYPES, ids=str)
+def test_forward_reflection_pad_matches_float64(solution, activation, dtype):
+    """The block kernel's padded output (every element written: poisoned first), and the
+    same pad by PyTorch's op after the split path, against float64."""
+    for shape, pad in PAD_CASES:
+        x, weight, bias, _ = inputs(shape, dtype, "contiguous", False, 53)
+        expected = padded64(x, weight, bias, activation, pad)
+        call = lambda path: solution._EXT.forward_with_stats(x, weight, bias, path=path, activation=activation,
+                                                             negative_slope=SLOPE, reflection_pad=pad)
+        for path in (0, BLOCK, SPLIT):
+            out, _ = run_poisoned(lambda: call(path), expected.to(dtype)) if path == BLOCK else call(path)
+            assert out.shape == expected.shape and out.is_contiguous() and out.dtype == dtype
+            torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype],
+                                       rtol=0 if dtype == torch.float32 else 1e-2,
+                                       msg=lambda m: f"{shape} pad {pad} path {path}: {m}")
+
+
+@pytest.mark.parametrize("activation", (None, "relu", "silu"), ids=str)
+@pytest.mark.parametrize("dtype", PAD_DTYPES, ids=str)
+def test_backward_reflection_pad_matches_float64(solution, activation, dtype):
+    """dx, dweight and dbias from the padded gradient: gathered by the block kernel,
+    and folded by PyTorch's pad backward before the generic path, against float64."""
+    for shape, pad in PAD_CASES:
+        x, weight, bias, _ = inputs(shape, dtype, "contiguous", False, 59)
+        leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+        y64 = padded64(*leaves, activation, pad)
+        dy = torch.randn(y64.shape, device="cuda").to(dtype)
+        expected = torch.autograd.grad(y64, leaves, dy.double())
+        _, stats = solution._EXT.forward_with_stats(x, weight, bias)
+        assert solution._EXT.backward_path_supported(x, BACKWARD_BLOCK)
+        for path in (0, BACKWARD_BLOCK, BACKWARD_GENERIC):
+            dx, dweight, dbias, _ = run_poisoned(lambda: solution._EXT.backward(
+                dy, x, stats, weight, path, True, bias, activation, SLOPE, None, pad), x)
+            for got, want, what in zip((dx, dweight, dbias), expected, ("dx", "dweight", "dbias")):
+                assert_close_scaled(got, want, GRAD_TOLERANCE[torch.bfloat16 if dtype != torch.float32 else dtype],
+                                    f"{shape} pad {pad} path {path} {what}")
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "channels_last"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_functional_reflection_pad_autograd_matches_the_pytorch_composition(solution, layout, dtype):
+    """instance_norm(..., reflection_pad=) forward and gradients equal F.pad of the
+    unpadded result's (the kernels' pad on contiguous input, PyTorch's on
+    channels-last; with a residual, PyTorch's after the kernels)."""
+    for with_residual in (False, True):
+        x, weight, bias, residual = inputs((2, 8, 48, 40), dtype, layout, with_residual, 61)
+        leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+        ours = solution.instance_norm(*leaves[:1], weight=leaves[1], bias=leaves[2], activation="relu",
+                                      residual=residual, reflection_pad=(3, 1, 2, 2))
+        plain = F.pad(solution.instance_norm(*leaves[:1], weight=leaves[1], bias=leaves[2], activation="relu",
+                                             residual=residual), (3, 1, 2, 2), mode="reflect")
+        assert ours.is_contiguous()
+        torch.testing.assert_close(ours, plain, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=0)
+        dy = torch.randn_like(plain)
+        for got, want in zip(torch.autograd.grad(ours, leaves, dy), torch.autograd.grad(plain, leaves, dy)):
+            torch.testing.assert_close(got, want, atol=GRAD_TOLERANCE[dtype], rtol=GRAD_TOLERANCE[dtype])
+
+
+class PaddedBlock(torch.nn.Module):
+    """CycleGAN's residual block: pad, conv, norm, ReLU, pad, conv, norm, + x."""
+
+    def __init__(self, solution, channels):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.ReflectionPad2d(1), torch.nn.Conv2d(channels, channels, 3), solution.InstanceNorm2d(channels),
+            torch.nn.ReLU(True), torch.nn.ReflectionPad2d(1), torch.nn.Conv2d(channels, channels, 3),
+            solution.InstanceNorm2d(channels))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compile_and_converter_fold_the_reflection_pad(solution, dtype):
+    """Under torch.compile the pad after the first norm and ReLU runs in our kernels
+    (the forward op writes the padded output), with eager's results; the converter
+    folds the same pad in eager."""
+    torch.manual_seed(12)
+    # TF32 convolutions would differ between the eager and compiled convolution algorithms.
+    torch.backends.cudnn.allow_tf32, saved = False, torch.backends.cudnn.allow_tf32
+    model = PaddedBlock(solution, 8).cuda().to(dtype)
+    x = torch.randn(2, 8, 48, 48, device="cuda", dtype=dtype)
+    forward_op = torch.ops.instance_norm_cuda.forward.default
+    pads = []
+
+    def record(graph):
+        pads.extend(node.kwargs.get("reflection_pad", node.args[7] if len(node.args) > 7 else [])
+                    for node in graph.nodes if node.target is forward_op)
+
+    torch._dynamo.reset()
+    xc = x.clone().requires_grad_()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
+        out = torch.compile(model, fullgraph=True)(xc)
+        out.float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    assert sorted(map(list, pads)) == [[], [1, 1, 1, 1]]
+    expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
+    converted = solution.convert_instance_norm(model)
+    assert converted.body[2].reflection_pad == (1, 1, 1, 1) and isinstance(converted.body[4], torch.nn.Identity)
+    converted_out, converted_grad_x, converted_grads = eager_gradients(converted, x)
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # of each result's norm: bf16 rounds differently compiled
+    for result in ((out, xc.grad, *grads), (converted_out, converted_grad_x, *converted_grads)):
+        for got, want in zip(result, (expected_out, expected_grad_x, *expected_grads)):
+            assert (got.float() - want.float()).norm() <= tolerance * want.float().norm() + 1e-6
+    torch.backends.cudnn.allow_tf32 = saved

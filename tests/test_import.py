@@ -224,6 +224,8 @@ BAD_CALLS = {
     "residual dtype": lambda m: m.instance_norm(torch.rand(2, 3, 4), residual=torch.rand(2, 3, 4).double()),
     "residual shape": lambda m: m.instance_norm(torch.rand(2, 3, 4), residual=torch.rand(2, 3, 1)),
     "residual device": lambda m: m.instance_norm(torch.rand(2, 3, 4), residual=torch.rand(2, 3, 4, device="meta")),
+    "reflection_pad length": lambda m: m.instance_norm(torch.rand(2, 3, 4), reflection_pad=(1, 1, 1, 1)),
+    "reflection_pad value": lambda m: m.instance_norm(torch.rand(2, 3, 4, 5), reflection_pad=(1, 1, 4, 0)),
 }
 
 
@@ -247,14 +249,18 @@ def test_fallback_takes_none_as_an_activation_name(solution, fallback):
 
 # Direct calls of the extension's front with arguments instance_norm would have refused
 # (its own checks: a wrong value must raise, not reach C++ as another type).
-FRONT = (None, None, None, None, True, 0.1, 1e-5, None, 0.01, None)
+FRONT = (None, None, None, None, True, 0.1, 1e-5, None, 0.01, None, None)
 BAD_FRONT_CALLS = {
-    "too few arguments": (lambda ext, x: ext.instance_norm(x), "11 positional arguments"),
+    "too few arguments": (lambda ext, x: ext.instance_norm(x), "12 positional arguments"),
     "input not a tensor": (lambda ext, x: ext.instance_norm(1.0, *FRONT), "input must be a torch.Tensor, got float"),
     "weight not a tensor": (lambda ext, x: ext.instance_norm(x, None, None, 3, *FRONT[3:]),
                             "weight must be a torch.Tensor or None, got int"),
-    "residual not a tensor": (lambda ext, x: ext.instance_norm(x, *FRONT[:-1], [1]),
+    "residual not a tensor": (lambda ext, x: ext.instance_norm(x, *FRONT[:-2], [1], None),
                               "residual must be a torch.Tensor or None, got list"),
+    "reflection_pad not a tuple": (lambda ext, x: ext.instance_norm(x, *FRONT[:-1], 1),
+                                   "reflection_pad must be None or a tuple of ints, got int"),
+    "reflection_pad of floats": (lambda ext, x: ext.instance_norm(x, *FRONT[:-1], (1.0, 1)),
+                                 "reflection_pad must be None or a tuple of ints, got an item of type float"),
     "activation not a str": (lambda ext, x: ext.instance_norm(x, *FRONT[:7], 5, *FRONT[8:]),
                              "activation must be None or a str, got int"),
     "eps not a number": (lambda ext, x: ext.instance_norm(x, *FRONT[:6], "1e-5", *FRONT[7:]), "must be real number"),

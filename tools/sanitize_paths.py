@@ -15,9 +15,12 @@ through; the channels-last cluster path's clusters take 96 images of 8 channels 
 each, copying the next image's chunk while they write the current one), the split path
 (contiguous and channels-last), eval with running statistics,
 the running-statistics update and a misaligned view, in float32 and bfloat16, with a
-per-channel weight. The block path's extra M2 sweep runs on the slices whose first
-value lies over 2 standard deviations from their mean, about 5% of these random
-ones. Exits 1 if any output is wrong (so a tool run also checks results), 2 without a
+per-channel weight; and the block paths' reflection-padded kernels (PAD_CASES: 1D and
+2D, asymmetric pads, a 3-row slice whose middle row both pads reflect, 128-thread
+and 512-thread backward CTAs, the latter with 64 KB of padded gradient in shared
+memory), checked against F.pad of the reference and the generic path's gradient.
+The block path's extra M2 sweep runs on the slices whose first value lies over 2
+standard deviations from their mean, about 5% of these random ones. Exits 1 if any output is wrong (so a tool run also checks results), 2 without a
 GPU."""
 import itertools
 import os
@@ -35,12 +38,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import solution  # noqa: E402
-from reference import BACKWARD_GENERIC, PIPELINED, channels_last, float64_reference  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from reference import BACKWARD_BLOCK, BACKWARD_GENERIC, BLOCK, PIPELINED, channels_last, float64_reference  # noqa: E402
 
 SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (2, 3, 45, 45), (2, 2, 128, 128), (1, 2, 301, 301),
           (1, 2, 724, 724), (3, 5, 7, 7), (1, 2, 1030, 1030), (3, 50, 160, 160),
           (1, 2, 210, 210), (2, 24, 20, 20), (1, 24, 24, 24), (1, 24, 48, 48), (4, 300, 32, 32), (2, 320, 64, 64),
           (96, 8, 24, 24)]
+
+
+PAD_CASES = [((4, 8, 64, 64), (1, 1, 1, 1)), ((2, 3, 36, 50), (2, 0, 3, 1)), ((1, 2, 3, 520), (2, 2, 2, 2)),
+             ((2, 4, 2048), (5, 3)), ((1, 2, 128, 128), (3, 3, 1, 1))]
 
 
 def close(out, reference, dtype):
@@ -86,6 +94,18 @@ def main():
         ok = close(solution._EXT.forward(x, path=PIPELINED), float64_reference(x), torch.float32)
         failures += not ok
         print(f"pipelined, 2-CTA teams, 12+ rounds: {'ok' if ok else 'WRONG'}")
+    for (shape, pad), dtype in itertools.product(PAD_CASES, (torch.float32, torch.bfloat16)):
+        x, weight = torch.randn(shape, device="cuda").to(dtype), torch.randn(shape[1], device="cuda")
+        y, stats = solution._EXT.forward_with_stats(x, weight=weight, path=BLOCK, activation="relu", reflection_pad=pad)
+        ok = close(y, F.pad(float64_reference(x, weight).relu(), pad, mode="reflect"), dtype)
+        dy = torch.randn_like(y)
+        dx = solution._EXT.backward(dy, x, stats, weight, BACKWARD_BLOCK, activation="relu", reflection_pad=pad)[0]
+        dx_generic = solution._EXT.backward(dy, x, stats, weight, BACKWARD_GENERIC, activation="relu",
+                                            reflection_pad=pad)[0].double()
+        scale = dx_generic.abs().max().item()
+        ok = ok and (dx.double() - dx_generic).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2) * scale
+        failures += not ok
+        print(f"reflection pad {pad} of {shape} {dtype}, block paths: {'ok' if ok else 'WRONG'}")
     misaligned = torch.randn(2 * 3 * 64 * 64 + 1, device="cuda")[1:].view(2, 3, 64, 64)
     ok = close(solution.ModelNew(3)(misaligned), float64_reference(misaligned), torch.float32)
     failures += not ok
