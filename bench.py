@@ -6,6 +6,7 @@ of it, and a plain device copy of the same tensor (the speed limit), in one proc
     python bench.py --backward [--suite]
     python bench.py [--backward] --activation relu
     python bench.py [--backward] --affine
+    python bench.py [--backward] --reflection-pad 1,1,1,1
     python bench.py --sweep [--quick] [--budget-gb 2] [--compile-mode dynamic] [--plot PATH]
     common: [--runs 30] [--warmup 3] [--no-compile] [--json PATH]
 
@@ -30,6 +31,10 @@ against the same module's plain rows and PyTorch's norm followed by the activati
 --affine adds ours and PyTorch's with affine=True (the same random weight and bias, in
 the input's dtype), checked against each other first; affine's cost is that row over
 ours.
+--reflection-pad P (F.pad's order) adds, on the block path (forced), the padded
+kernel that writes the padded output (reads the padded gradient) against the plain
+kernel followed by PyTorch's pad (preceded by its pad backward), both checked against
+PyTorch's norm and pad first.
 --sweep times forward and forward + backward over a grid of slice count x slice size
 x dtype x layout x affine against the copy, eager, torch.compile and FlagGems (where
 installed), and reports the worst cells (benchmarks/sweep.py describes it).
@@ -41,6 +46,7 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
 
 FLUSH_BYTES = 256 * 1024 * 1024
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -154,6 +160,16 @@ def forward_rows(solution, x, args):
             if not torch.allclose(fused(x), composed(x), atol=tolerance, rtol=tolerance):
                 raise SystemExit(f"bench.py: {name} differs from PyTorch; no speed reported")
         rows += [(name, lambda fused=fused: fused(x)), (composed_name, lambda composed=composed: composed(x))]
+    if args.reflection_pad:
+        pad, block = args.reflection_pad, solution._EXT.forward_paths["block"]
+        with torch.no_grad():
+            expected = F.pad(eager(x), pad, mode="reflect")
+        candidates = [("block, padded kernel", lambda: solution._EXT.forward(x, path=block, reflection_pad=pad)),
+                      ("block + F.pad", lambda: F.pad(solution._EXT.forward(x, path=block), pad, mode="reflect"))]
+        for name, fn in candidates:
+            if not torch.allclose(fn(), expected, atol=tolerance, rtol=tolerance):
+                raise SystemExit(f"bench.py: {name} differs from PyTorch's norm and pad; no speed reported")
+        rows += candidates
     return rows
 
 
@@ -200,10 +216,32 @@ def backward_rows(solution, x, args):
                 rows.append((f"backward path {path}",
                              lambda path=path: solution._EXT.backward(dy, x, stats, None, path)))
     del expected
+    if args.reflection_pad:
+        rows += padded_backward_rows(solution, x, args.reflection_pad, tolerance)
     for name, module in candidates:
         y = module(xg)
         rows.append((f"{name} backward", lambda y=y: torch.autograd.grad(y, xg, dy, retain_graph=True)))
         rows.append((f"{name} fwd+bwd", lambda module=module: torch.autograd.grad(module(xg), xg, dy)))
+    return rows
+
+
+def padded_backward_rows(solution, x, pad, tolerance):
+    """The block path's backward from the gradient of the output padded by `pad`: the
+    padded kernel, and PyTorch's pad backward then the plain kernel, each checked
+    against autograd through PyTorch's norm and pad first."""
+    block = solution._EXT.backward_paths["block"]
+    _, stats = solution._EXT.forward_with_stats(x)
+    dy = torch.rand(F.pad(x, pad, mode="reflect").shape, device=x.device, dtype=x.dtype) - 0.5
+    xg = x.detach().requires_grad_()
+    expected = torch.autograd.grad(F.pad(F.instance_norm(xg), pad, mode="reflect"), xg, dy)[0]
+    pad_backward = getattr(torch.ops.aten, f"reflection_pad{len(pad) // 2}d_backward")
+    rows = [("backward block, padded kernel", lambda: solution._EXT.backward(dy, x, stats, None, block,
+                                                                            reflection_pad=pad)),
+            ("pad backward + backward block", lambda: solution._EXT.backward(pad_backward(dy, x, pad), x, stats,
+                                                                            None, block))]
+    for name, fn in rows:
+        if (fn()[0].float() - expected.float()).abs().max().item() > tolerance * max(expected.abs().max().item(), 1.0):
+            raise SystemExit(f"bench.py: {name} differs from PyTorch's gradient; no speed reported")
     return rows
 
 
@@ -266,6 +304,8 @@ def main(argv=None):
                         help="also time ours with this activation fused, against PyTorch's norm then it")
     parser.add_argument("--affine", action="store_true",
                         help="also time ours and PyTorch's with affine=True (random weight and bias in the input's dtype)")
+    parser.add_argument("--reflection-pad", type=lambda text: tuple(int(v) for v in text.split(",")), metavar="P",
+                        help="also time the block path's padded kernels against PyTorch's pad (F.pad order)")
     parser.add_argument("--sweep", action="store_true", help="time the grid of benchmarks/sweep.py instead")
     parser.add_argument("--quick", action="store_true", help="with --sweep: its QUICK subset of the grid")
     parser.add_argument("--budget-gb", type=float, default=2.0, help="with --sweep: the largest input, GB (default 2)")

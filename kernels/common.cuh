@@ -749,24 +749,50 @@ __device__ __forceinline__ float padded_gradient(const T* dy, const ReflectionPa
   return sum;
 }
 
-// The gradient of each of the slice's pad.height x pad.width values, in float32, to
-// gathered[] (shared memory) from dy, the gradient of the slice's padded output: the
-// padded value that holds it, plus, for the values in the rows and columns next to
-// an edge, those of the pads that reflect it (padded_gradient). Each value is
-// summed by one thread in a fixed order (deterministic, no atomics); the CTA's
-// THREADS threads take the values in turn. Ends with __syncthreads().
-template <typename T, int THREADS>
-__device__ __forceinline__ void gather_padded_gradient(const T* dy, const ReflectionPad& pad, float* gathered) {
-  const int width = pad.width, spatial = pad.height * width, padded_width = pad.padded_width();
-  int row = static_cast<int>(threadIdx.x) / width, column = static_cast<int>(threadIdx.x) - row * width;
-  for (int i = threadIdx.x; i < spatial; i += THREADS) {
-    const bool near_edge = row <= pad.top || row >= pad.height - 1 - pad.bottom || column <= pad.left ||
-                           column >= width - 1 - pad.right;
-    gathered[i] = near_edge ? padded_gradient(dy, pad, row, column)
-                            : Storage<T>::to_float(__ldg(dy + (row + pad.top) * padded_width + column + pad.left));
-    for (column += THREADS; column >= width; column -= width) ++row;
+// The values of the padded gradient dy (of one slice) that hold the slice's values
+// first .. first + kPerVector - 1 themselves (their own positions in the padded
+// slice), as one vector of T: scalar loads (a padded row's values are not 16-byte
+// aligned), all issued before any is used.
+template <typename T>
+__device__ __forceinline__ uint4 padded_own_vector(const T* dy, const ReflectionPad& pad, int first) {
+  T values[Storage<T>::kPerVector];
+  int row = first / pad.width, column = first - row * pad.width;
+#pragma unroll
+  for (int k = 0; k < Storage<T>::kPerVector; ++k) {
+    values[k] = __ldg(dy + (row + pad.top) * pad.padded_width() + column + pad.left);
+    if (++column == pad.width) column = 0, ++row;
   }
-  __syncthreads();
+  uint4 raw;
+  memcpy(&raw, values, sizeof(raw));
+  return raw;
+}
+
+// Where the slice's values first .. first + kPerVector - 1 include one next to an
+// edge, replaces each such value of `gradient` (padded_own_vector's) with its whole
+// gradient from dy (padded_gradient: its own padded value and those of the pads that
+// reflect it), rounded to T; the others are left as they are.
+template <typename T>
+__device__ __forceinline__ void add_reflected_gradients(const T* dy, const ReflectionPad& pad, int first,
+                                                        uint4& gradient) {
+  using S = Storage<T>;
+  const int row = first / pad.width, column = first - row * pad.width;
+  const int last_row = (first + S::kPerVector - 1) / pad.width;
+  const bool rows_near_edge = row <= pad.top || last_row >= pad.height - 1 - pad.bottom;
+  // A vector that crosses a row's end holds that row's last and the next row's first values.
+  const bool columns_near_edge = row != last_row || column <= pad.left ||
+                                 column + S::kPerVector - 1 >= pad.width - 1 - pad.right;
+  if (!rows_near_edge && !columns_near_edge) return;
+  float values[S::kPerVector];
+  S::unpack(gradient, values);
+  int r = row, c = column;
+#pragma unroll
+  for (int k = 0; k < S::kPerVector; ++k) {
+    if (r <= pad.top || r >= pad.height - 1 - pad.bottom || c <= pad.left || c >= pad.width - 1 - pad.right) {
+      values[k] = padded_gradient(dy, pad, r, c);
+    }
+    if (++c == pad.width) c = 0, ++r;
+  }
+  gradient = S::pack(values);
 }
 
 // The slice's mean and rstd (in x's units), to the forward's optional outputs;

@@ -103,8 +103,8 @@ struct Epilogue {
 // forward, y is the padded output: (batch, num_channels, padded_spatial()); in the
 // backward, dy is the padded gradient and each value's gradient is the sum of the
 // padded values that hold it (up to 9). Zero-initialized: no pad. Only the block
-// paths take it, contiguous and without a residual (forward_pads, backward_pads), in
-// kernels of their own that take it as a second parameter: a field of the problems
+// paths take it, forced, contiguous and without a residual (forward_pads,
+// backward_pads), in kernels of their own that take it as a second parameter: a field of the problems
 // would change every other kernel's machine code (docs/perf-notes.md #161).
 struct ReflectionPad {
   int height, width;
@@ -219,10 +219,11 @@ struct ForwardPlan {
 // With an active `pad`, the plan writes y padded (forward_pads; else the plan is invalid).
 ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, const ReflectionPad& pad = {});
 
-// Whether `forced` (kAuto: the chooser's path) can write y padded by `pad`: the block
-// path, contiguous, without a residual or running statistics, where the chooser (or
-// the caller) takes it. Elsewhere a caller runs the problem without the pad and pads
-// y itself. Makes no plan (plans_made does not count it).
+// Whether `forced` can write y padded by `pad`: kBlock, contiguous, without a residual
+// or running statistics, where the block path runs the problem. kAuto never does:
+// measured, the padded kernels were slower than the plain ones plus PyTorch's pad
+// (docs/perf-notes.md #161). Elsewhere a caller runs the problem without the pad and
+// pads y itself. Makes no plan (plans_made does not count it).
 bool forward_pads(const ForwardProblem& problem, const ReflectionPad& pad, ForwardPath forced);
 
 // Launches the plan on `stream`; returns the first CUDA error (launch configuration
@@ -357,10 +358,9 @@ struct BackwardPlan {
 // else the plan is invalid).
 BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced, const ReflectionPad& pad = {});
 
-// Whether `forced` (kAuto: the chooser's path) can read the gradient of y padded by
-// `pad`: the block path where it runs the problem, which the chooser takes wherever
-// it does. Elsewhere the caller
-// folds the padded gradient itself. Makes no plan.
+// Whether `forced` can read the gradient of y padded by `pad`: kBlock where it runs
+// the problem; kAuto never does, as forward_pads. Elsewhere the caller folds the
+// padded gradient itself. Makes no plan.
 bool backward_pads(const BackwardProblem& problem, const ReflectionPad& pad, BackwardPath forced);
 cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream);
 

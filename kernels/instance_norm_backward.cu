@@ -756,10 +756,11 @@ const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProbl
 // aligned x, dy and dx, and spatial / kPerVector <= THREADS * kBlockVectorsPerThread.
 // The CTAs grid-stride over the slices. Sizes: kernels/tuning.h. Pad: empty, or
 // ReflectionPad (the padded kernel, as forward_block_kernel's): dy is the gradient
-// of the slices padded by `pad`; the CTA first sums each value's gradient
-// from it into shared memory (gather_padded_gradient: spatial floats of dynamic
-// shared memory), and each thread's vectors of dy are those sums rounded to T, as
-// PyTorch's pad backward gives them to the norm's.
+// of the slices padded by `pad`; each thread loads the padded values that hold its
+// vectors' values (padded_own_vector, all before any use), then, for its vectors
+// next to an edge, the pads' values that reflect them (add_reflected_gradients):
+// its vectors of dy are those sums rounded to T, as PyTorch's pad backward gives
+// them to the norm's.
 constexpr int64_t kBlockMaxVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // Register cap: 128 per thread for both sizes (four 128-thread CTAs or one
@@ -793,13 +794,15 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
       }
     }
     if constexpr (kPadded) {
-      extern __shared__ float gathered_dy[];  // the slice's gradient, p.spatial values
       const ReflectionPad padding{pad...};
-      gather_padded_gradient<T, THREADS>(static_cast<const T*>(p.dy) + slice * padding.padded_spatial(), padding,
-                                         gathered_dy);
+      const T* padded_dy = static_cast<const T*>(p.dy) + slice * padding.padded_spatial();
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
-        if (i < valid) dy_raw[i] = S::pack(gathered_dy + (tid + i * THREADS) * kPer);
+        if (i < valid) dy_raw[i] = padded_own_vector(padded_dy, padding, (tid + i * THREADS) * kPer);
+      }
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (i < valid) add_reflected_gradients(padded_dy, padding, (tid + i * THREADS) * kPer, dy_raw[i]);
       }
     }
     const int64_t channel = slice % p.num_channels;
@@ -843,7 +846,6 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
         store_streaming(dx + i * THREADS, S::pack(out));
       }
     }
-    if constexpr (kPadded) __syncthreads();  // every thread has read gathered_dy before the next slice's
   }
 }
 
@@ -982,8 +984,7 @@ int64_t slice_vectors(const BackwardProblem& p) { return p.spatial / values_per_
 
 // The block path: slices of whole aligned vectors up to kBlockMaxVectors, in the
 // small CTA where it holds the slice, else the large one; one CTA per slice,
-// grid-stride. With an active pad, the padded kernel of the same launch, with the
-// slice's gradient in shared memory.
+// grid-stride. With an active pad, the padded kernel of the same launch.
 BackwardPlan block_plan(const BackwardProblem& p, const ReflectionPad& pad = {}) {
   BackwardPlan plan{};
   if (!whole_aligned_vectors(p) || slice_vectors(p) > kBlockMaxVectors) return plan;
@@ -995,10 +996,7 @@ BackwardPlan block_plan(const BackwardProblem& p, const ReflectionPad& pad = {})
       const auto launch = [&](auto threads) {
         constexpr int kThreads = decltype(threads)::value;
         plan.launch = {LaunchKind::kPlain, backward_block_kernel<T, kThreads, kActivation>, 0, kThreads, 0, 0, 0};
-        if (pad.active()) {
-          plan.launch.shared_bytes = static_cast<int>(p.spatial * sizeof(float));
-          plan.padded_kernel = backward_block_kernel<T, kThreads, kActivation, ReflectionPad>;
-        }
+        if (pad.active()) plan.padded_kernel = backward_block_kernel<T, kThreads, kActivation, ReflectionPad>;
       };
       if (small) {
         launch(cuda::std::integral_constant<int, kBlockSmallThreads>());
@@ -1008,15 +1006,7 @@ BackwardPlan block_plan(const BackwardProblem& p, const ReflectionPad& pad = {})
       return cudaSuccess;
     });
   });
-  // A padded slice's gradient in shared memory must fit a CTA (this also raises the
-  // kernel's limit above 48 KB).
-  if (pad.active()) {
-    if (ctas_per_sm(reinterpret_cast<const void*>(plan.padded_kernel), plan.launch.threads,
-                    plan.launch.shared_bytes) < 1) {
-      return BackwardPlan{};
-    }
-    plan.pad = pad;
-  }
+  plan.pad = pad;
   plan.path = BackwardPath::kBlock;
   plan.launch.grid = cta_grid(p.num_slices());
   return plan;
@@ -1056,8 +1046,8 @@ BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced, 
 
 bool backward_pads(const BackwardProblem& problem, const ReflectionPad& pad, BackwardPath forced) {
   using namespace backward_detail;
-  return pad.active() && problem.num_slices() > 0 && problem.spatial > 0 &&
-         (forced == BackwardPath::kAuto || forced == BackwardPath::kBlock) && block_plan(problem, pad).valid();
+  return pad.active() && problem.num_slices() > 0 && problem.spatial > 0 && forced == BackwardPath::kBlock &&
+         block_plan(problem, pad).valid();
 }
 
 cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream) {

@@ -184,13 +184,22 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
       const ReflectionPad padding{pad...};
       const int width = padding.padded_width(), padded = static_cast<int>(padding.padded_spatial());
       T* const padded_y = static_cast<T*>(p.y) + slice * padded;
-      int row = static_cast<int>(threadIdx.x) / width, column = static_cast<int>(threadIdx.x) - row * width;
-      for (int i = threadIdx.x; i < padded; i += THREADS) {
-        const int source = reflect(row - padding.top, padding.height) * padding.width +
-                           reflect(column - padding.left, padding.width);
-        const float value = y_of(S::to_float(slice_values[source]));
-        padded_y[i] = S::from_float(epilogue_value(p.epilogue, p.y, padded_y + i, value));
-        for (column += THREADS; column >= width; column -= width) ++row;
+      // One loop per activation (no residual: forward_pads), chosen once per slice.
+      const auto store = [&](auto activation) {
+        int row = static_cast<int>(threadIdx.x) / width, column = static_cast<int>(threadIdx.x) - row * width;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < padded; i += THREADS) {
+          const int source = reflect(row - padding.top, padding.height) * padding.width +
+                             reflect(column - padding.left, padding.width);
+          const float value = y_of(S::to_float(slice_values[source]));
+          padded_y[i] = S::from_float(activate<decltype(activation)::value>(value, p.epilogue.negative_slope));
+          for (column += THREADS; column >= width; column -= width) ++row;
+        }
+      };
+      if (p.epilogue.activation == Activation::kNone) {
+        store(cuda::std::integral_constant<Activation, Activation::kNone>());
+      } else {
+        with_activation(p.epilogue.activation, store);
       }
     } else if (aligned16(slice_y)) {
       for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
@@ -1100,8 +1109,7 @@ bool forward_pads(const ForwardProblem& p, const ReflectionPad& pad, ForwardPath
       p.running_mean != nullptr || p.num_slices() <= 0 || p.spatial <= 0) {
     return false;
   }
-  if (forced == ForwardPath::kBlock) return block_plan(p).valid();
-  return forced == ForwardPath::kAuto && p.spatial > kWarpMaxSpatial && block_preferred(p, block_plan(p));
+  return forced == ForwardPath::kBlock && block_plan(p).valid();
 }
 
 cudaError_t forward(const ForwardProblem& problem, const ForwardPlan& plan, cudaStream_t stream) {
