@@ -100,3 +100,13 @@ def test_sources_to_compile(tmp_path):
     assert sass_diff.sources_to_compile(str(a), str(b)) == ["three.cu", "two.cu"]
     (b / "common.cuh").write_text("// changed\n")
     assert sass_diff.sources_to_compile(str(a), str(b)) == ["one.cu", "three.cu", "two.cu"]
+
+
+def test_a_kernel_renamed_by_an_empty_parameter_pack_is_compared_under_its_old_name():
+    old = "_ZN13instance_norm14forward_detail20forward_block_kernelIfLi128EEEvNS_14ForwardProblemE"
+    plain = "_ZN13instance_norm14forward_detail20forward_block_kernelIfLi128EJEEEvNS_14ForwardProblemEDpT1_"
+    padded = ("_ZN13instance_norm14forward_detail20forward_block_kernelIfLi128EJNS_13ReflectionPadEEEEvNS_"
+              "14ForwardProblemEDpT1_")
+    assert sass_diff.without_empty_packs(plain) == old
+    assert sass_diff.matched_names({old: []}, {plain: [], padded: []}) == {plain: old, padded: padded}
+    assert sass_diff.matched_names({old: []}, {old: [], plain: []}) == {old: old, plain: plain}

@@ -10,7 +10,9 @@ flags for one GPU (-O3 and the -gencode of solution._gencode: sm_90a by default,
 --arch 80 for an A100) and disassembled (cuobjdump -sass). A kernel is identical when
 its instructions, their encodings (which hold the scheduling controls) and ptxas's
 resources (registers, spills, stack, barriers, shared memory) all match; identical
-kernels are counted, not listed: they run as before. For every other kernel it prints
+kernels are counted, not listed: they run as before. A kernel template that gains an
+optional trailing parameter pack renames its plain kernels (an empty pack is
+mangled in); those are compared with the old names' kernels. For every other kernel it prints
 the resources and the instruction count of each side (the padding NOPs at the end not
 counted) and the lines GNU diff finds removed and added once register, predicate and
 barrier numbers and branch labels are masked: 0 and 0 where only the allocation or the
@@ -201,6 +203,23 @@ def demangle(names):
     return dict(zip(names, out)) if len(out) == len(names) else dict(zip(names, names))
 
 
+def without_empty_packs(name):
+    """A mangled kernel name without empty template argument packs (`JE`) and without the
+    expansion of an empty trailing function parameter pack (`DpT<n>_`): the name a
+    kernel template had before it gained an optional trailing parameter pack."""
+    return re.sub(r"EDpT\d*_$", "E", name).replace("JE", "")
+
+
+def matched_names(kernels_a, kernels_b):
+    """{name in B: the name of A to compare it with}: its own, or, for a kernel of B
+    not in A, the one of A it has without empty packs (without_empty_packs)."""
+    names = {}
+    for name in kernels_b:
+        plain = without_empty_packs(name)
+        names[name] = plain if name not in kernels_a and plain in kernels_a and plain not in kernels_b else name
+    return names
+
+
 def describe(resources_a, resources_b, count_a, count_b, removed, added):
     """The report line of one kernel that changed."""
     def pair(key):
@@ -244,6 +263,9 @@ def main():
             (sass_a, res_a), (sass_b, res_b) = compile_both((args.dir_a, args.dir_b), source, args.arch, out_dir)
             sass_a = {k: v for k, v in sass_a.items() if pick.search(k)}
             sass_b = {k: v for k, v in sass_b.items() if pick.search(k)}
+            names_b = matched_names(sass_a, sass_b)
+            sass_b = {names_b[k]: v for k, v in sass_b.items()}
+            res_b = {names_b.get(k, k): v for k, v in res_b.items()}
             changed = {name: rest for name, *rest in compare(sass_a, sass_b)}
             for name in set(sass_a) & set(sass_b):  # same code, other shared memory, barriers, ...
                 if name not in changed and res_a.get(name) != res_b.get(name):
