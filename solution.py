@@ -556,9 +556,10 @@ class _InstanceNorm(nn.Module):
         self.activation = activation
         self.negative_slope = negative_slope
         self.reflection_pad = _int_tuple("reflection_pad", reflection_pad)
-        if self.reflection_pad is not None and len(self.reflection_pad) != 2 * self._spatial_dims:
-            raise ValueError(f"reflection_pad must have {2 * self._spatial_dims} values (2 per spatial dim), "
-                             f"got {len(self.reflection_pad)}")
+        if self.reflection_pad is not None and (len(self.reflection_pad) != 2 * self._spatial_dims
+                                                or min(self.reflection_pad, default=0) < 0):
+            raise ValueError(f"reflection_pad must be {2 * self._spatial_dims} values >= 0 (2 per spatial dim), "
+                             f"got {self.reflection_pad}")
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps

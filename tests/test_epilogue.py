@@ -74,8 +74,10 @@ def test_reflection_pad_errors_name_the_argument(solution):
         solution.instance_norm(x, reflection_pad=(1.0, 1, 1, 1))
     with pytest.raises(TypeError, match="reflection_pad must be None or a sequence of ints"):
         solution.instance_norm(x, reflection_pad=1)
-    with pytest.raises(ValueError, match=r"reflection_pad must have 6 values \(2 per spatial dim\), got 4"):
+    with pytest.raises(ValueError, match=r"must be 6 values >= 0 \(2 per spatial dim\), got \(1, 1, 1, 1\)"):
         solution.InstanceNorm3d(3, reflection_pad=(1, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"must be 4 values >= 0 \(2 per spatial dim\), got \(1, -1, 0, 0\)"):
+        solution.InstanceNorm2d(3, reflection_pad=(1, -1, 0, 0))
 
 
 def test_module_activation_and_repr(solution):
