@@ -318,8 +318,8 @@ at::Tensor reflection_pad_gradient(const at::Tensor& grad, const at::Tensor& inp
 
 // PyTorch's F.instance_norm (input, running_mean, running_var, weight, bias,
 // use_input_stats, momentum, eps) on this project's kernels, then the fused
-// epilogue act(y + residual) and the reflection pad; see solution.instance_norm for the semantics. CUDA
-// float32, float16 and bfloat16 inputs run the kernels (other strides than
+// epilogue act(y + residual) and the reflection pad; see solution.instance_norm
+// for the semantics. CUDA float32, float16 and bfloat16 inputs run the kernels (other strides than
 // contiguous and channels-last are copied to contiguous first; the residual to the
 // input's layout); others run PyTorch's ops. `eager`: called from Python outside
 // torch.compile's tracing; where direct_route allows, the forward op's work is done
@@ -365,9 +365,9 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
                                                     epilogue.activation, negative_slope, r),
                              reflection_pad);
   }
-  // The ops take the pad where their kernels can write it; with a residual the
-  // residual's gradient would need the padded gradient folded first, so the pad
-  // stays PyTorch's op after them.
+  // The ops take the pad (one op and one autograd node for the layer); with a
+  // residual it stays PyTorch's op after them, whose autograd gives the residual its
+  // unpadded gradient.
   if (!r) epilogue.reflection_pad = reflection_pad.vec();
   const c10::IntArrayRef op_pad = epilogue.reflection_pad;
   const std::optional<bool> direct = eager ? direct_route({&x}, {&weight, &bias, &r}) : std::nullopt;
@@ -441,8 +441,8 @@ std::vector<int64_t> int_list_argument(PyObject* value, const char* name) {
 // bias, use_input_stats, momentum, eps, activation, negative_slope, residual,
 // reflection_pad), all twelve positional, one call for the whole layer. A
 // METH_FASTCALL function, as PyTorch binds its own ops, not a pybind11 one: after
-// the launch, pybind11's conversion of eleven arguments was the largest piece of the front's host time
-// (docs/perf-notes.md #124). Errors reach Python as they did through pybind11
+// the launch, pybind11's conversion of eleven arguments was the largest piece of
+// the front's host time (docs/perf-notes.md #124). Errors reach Python as they did through pybind11
 // (HANDLE_TH_ERRORS: c10's TypeError and ValueError as Python's, other c10 errors as
 // RuntimeError; TORCH_WARN as a Python warning).
 PyObject* instance_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {

@@ -20,8 +20,8 @@ per-channel weight; and the block paths' reflection-padded kernels (PAD_CASES: 1
 and 512-thread backward CTAs, the latter with 64 KB of padded gradient in shared
 memory), checked against F.pad of the reference and the generic path's gradient.
 The block path's extra M2 sweep runs on the slices whose first value lies over 2
-standard deviations from their mean, about 5% of these random ones. Exits 1 if any output is wrong (so a tool run also checks results), 2 without a
-GPU."""
+standard deviations from their mean, about 5% of these random ones. Exits 1 if any
+output is wrong (so a tool run also checks results), 2 without a GPU."""
 import itertools
 import os
 import sys
