@@ -29,6 +29,7 @@ e.g. 512 x 512) held in registers by a thread-block cluster.
 import hashlib
 import inspect
 import logging
+import math
 import operator
 import os
 import sys
@@ -371,11 +372,11 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     reflection_pad, a sequence of 2 ints per spatial dim in F.pad's order (the last
     dim's left and right first), each >= 0 and less than the size of the dim it
     pads, pads the result as F.pad(y, reflection_pad, mode="reflect") (nn.
-    ReflectionPad1d/2d/3d) does; the result is then contiguous. PyTorch's pad runs
-    after the kernels and its backward before them, inside the same op (one call
-    and one autograd node for the layer); the block paths' kernels that write and
-    read the pad themselves run only when forced (docs/design.md, "The reflection
-    pad").
+    ReflectionPad1d/2d/3d) does; the result is then contiguous. The forward kernel
+    writes the padded output and the backward kernel reads the padded gradient
+    where the slices take the block paths (contiguous 1D and 2D input without a
+    residual: up to 16,384 fp32 or 32,768 16-bit values a slice); elsewhere PyTorch's
+    pad runs after the kernels and its backward before them.
 
     CUDA float32, float16 and bfloat16 run the CUDA kernels; CPU and float64
     inputs, and all inputs when the extension is not built (no GPU visible), run
@@ -755,10 +756,11 @@ def convert_instance_norm(module, fuse_activations=True, fuse_padding=True):
 
 # Epilogue fusion under torch.compile. A rewrite of the graph Dynamo captures
 # (inductor's pre_grad_custom_pass hook, which runs before AOTAutograd derives the
-# backward, so the fused op's own autograd serves the backward) folds the activation
-# and the residual add that follow our norm into its epilogue: F.relu(norm(x)) and
-# norm(x) + r become one instance_norm_cuda::instance_norm call, forward and backward,
-# as inductor fuses PyTorch's own norm with them. Pre-grad graphs are not
+# backward, so the fused op's own autograd serves the backward) folds the activation,
+# the residual add and the reflection pad that follow our norm into its epilogue:
+# F.relu(norm(x)), norm(x) + r and F.pad(norm(x), p, "reflect") become one
+# instance_norm_cuda::instance_norm call, forward and backward, as inductor fuses
+# PyTorch's own norm with them. Pre-grad graphs are not
 # functional, so the rewrite fires only where it cannot change what the graph
 # computes: the norm's output has that one user, the added tensor has the output's
 # shape, dtype and device (no broadcast, no type promotion), and no node between
@@ -783,6 +785,8 @@ _RELU_TARGETS = (torch.relu, torch.relu_, F.relu, F.relu_)
 _CONVOLUTION_TARGETS = (torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
                         torch.conv_transpose3d)
 _ADD_TARGETS = (operator.add, torch.add)
+# F.pad as Dynamo captures it (torch._C._nn.pad), and as written.
+_PAD_TARGETS = (torch._C._nn.pad, F.pad)
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
                       operator.irshift, operator.imatmul, operator.setitem, operator.delitem)
@@ -828,6 +832,36 @@ def _tensor_added(node, norm):
     return other if isinstance(other, torch.fx.Node) and other is not norm else None
 
 
+def _reflection_pad_applied(node, norm, arguments):
+    """The pad that FX node `node` applies to the output of front call `norm` (its
+    arguments by name are `arguments`), as a list, when `node` is F.pad(norm's
+    output, pad, "reflect") and our kernels write that pad and read its gradient
+    (instance_norm's reflection_pad): the output static, contiguous, 1D or 2D, no
+    residual, the input's own statistics, slices of whole 16-byte vectors larger
+    than the warp path's and within the backward block path's (forward_capacities,
+    backward_capacities). Elsewhere PyTorch's pad would run inside our op, where
+    inductor fuses its own; None."""
+    if node.op != "call_function" or node.target not in _PAD_TARGETS or not node.args or node.args[0] is not norm:
+        return None
+    call = dict(zip(("input", "pad", "mode", "value"), node.args), **node.kwargs)
+    pad, output_type, value = call.get("pad"), _static_tensor_type(norm), norm.meta.get("example_value")
+    if (call.get("mode") != "reflect" or call.get("value") is not None or not isinstance(pad, (tuple, list))
+            or not all(type(item) is int for item in pad) or output_type is None or arguments["residual"] is not None
+            or arguments["use_input_stats"] is not True):
+        return None
+    shape, dtype, _ = output_type
+    dtype_name = str(dtype).split(".")[-1]
+    if dtype_name not in _EXT.backward_capacities or len(shape) not in (3, 4) or len(pad) != 2 * (len(shape) - 2):
+        return None
+    spatial = math.prod(shape[2:])
+    if (not value.is_contiguous() or spatial % (16 // value.element_size())
+            or not _EXT.forward_capacities[dtype_name]["warp_spatial"] < spatial
+            <= _EXT.backward_capacities[dtype_name]["block_spatial"]
+            or not all(0 <= item < shape[len(shape) - 1 - i // 2] for i, item in enumerate(pad))):
+        return None
+    return list(pad)
+
+
 def _static_tensor_type(node):
     """(shape, dtype, device) of the tensor FX node `node` produced while Dynamo traced, when its shape is static."""
     value = node.meta.get("example_value")
@@ -865,15 +899,19 @@ def _movable_to(norm, user, arguments):
 def _absorb_user(graph, norm, arguments):
     """Folds the one user of FX node `norm` (a front call whose arguments by name are
     `arguments`) into a new front call in the user's place when the epilogue can take
-    it: an activation when the norm has none, else nothing; a residual add when it has
-    neither; nothing after a reflection pad (the output is padded). Returns the new
-    node, or None."""
+    it: a reflection pad the kernels take (_reflection_pad_applied) when the norm has
+    none; an activation when the norm has neither; a residual add when it has none
+    of the three. Returns the new node, or None."""
     (user,) = norm.users
-    if (arguments["activation"] is not None or arguments.get("reflection_pad") is not None
-            or not _movable_to(norm, user, arguments)):
+    if arguments["reflection_pad"] is not None or not _movable_to(norm, user, arguments):
         return None
+    pad = _reflection_pad_applied(user, norm, arguments)
     activation = _activation_applied(user) if user.args and user.args[0] is norm else None
-    if activation is not None:
+    if pad is not None:
+        fused = dict(arguments, reflection_pad=pad)
+    elif arguments["activation"] is not None:
+        return None
+    elif activation is not None:
         fused = dict(arguments, activation=activation[0], negative_slope=activation[1])
     else:
         residual = _tensor_added(user, norm) if arguments["residual"] is None else None
@@ -940,10 +978,11 @@ def _drop_convolution_bias(graph, norm, arguments):
 
 def _fuse_epilogues(graph):
     """Rewrites an FX graph from Dynamo in place: each instance_norm_cuda::instance_norm
-    call takes the activation (relu, leaky_relu, silu, gelu) and the residual add that
-    follow it into its epilogue, as instance_norm(..., activation=, residual=) defines
-    them, and the bias of the convolution before it is dropped where the norm removes
-    it (_drop_convolution_bias). Returns the number of activations, adds and biases folded."""
+    call takes the activation (relu, leaky_relu, silu, gelu), the residual add and the
+    reflection pad that follow it into its epilogue, as instance_norm(...,
+    activation=, residual=, reflection_pad=) defines them, and the bias of the
+    convolution before it is dropped where the norm removes it (_drop_convolution_bias).
+    Returns the number of activations, adds, pads and biases folded."""
     folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _FRONT_TARGETS:
@@ -961,8 +1000,9 @@ def _fuse_epilogues(graph):
 
 def _fusion_fingerprint():
     """What identifies the rewrite for inductor's cache: its code and whether it is on."""
-    functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _static_tensor_type, _may_mutate,
-                 _movable_to, _drop_convolution_bias, _DroppedBias.forward, _DroppedBias.backward)
+    functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _reflection_pad_applied,
+                 _static_tensor_type, _may_mutate, _movable_to, _drop_convolution_bias, _DroppedBias.forward,
+                 _DroppedBias.backward)
     code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
     return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
 
@@ -991,7 +1031,8 @@ def _install_compile_fusion():
                 folded = _fuse_epilogues(graph)
                 if folded:
                     logging.getLogger("instance_norm").info("torch.compile: folded %d activations, residual "
-                                                            "adds and convolution biases into instance norms",
+                                                            "adds, reflection pads and convolution biases into "
+                                                            "instance norms",
                                                             folded)
             for other in previous:
                 other(graph)

@@ -716,83 +716,80 @@ __device__ __forceinline__ float epilogue_value(const Epilogue& e, const void* y
 // ReflectionPad does: without repeating the edge value.
 __device__ __forceinline__ int reflect(int i, int n) { return i < 0 ? -i : (i >= n ? 2 * (n - 1) - i : i); }
 
-// The padded indices that hold source index i of a dim of n values padded by
-// `before` and `after` (-1 where none): i + before itself; before - i where 1 <= i <=
-// before (the pad before reflects it); before + 2 (n - 1) - i where n - 1 - after <=
-// i <= n - 2 (the pad after does). Both pads can hold one value where n is small.
-struct PaddedHolders {
-  int index[3];
-};
-__device__ __forceinline__ PaddedHolders padded_holders(int i, int n, int before, int after) {
-  return {{i + before, i >= 1 && i <= before ? before - i : -1,
-           i >= n - 1 - after && i <= n - 2 ? before + 2 * (n - 1) - i : -1}};
-}
-
-// The gradient of the slice's value at (row, column) from dy, the gradient of the
-// slice's padded output (pad's padded_height x padded_width values): the sum of
-// every padded value that holds it (ReflectionPad's backward), in float32.
-template <typename T>
-__device__ __forceinline__ float padded_gradient(const T* dy, const ReflectionPad& pad, int row, int column) {
-  const PaddedHolders rows = padded_holders(row, pad.height, pad.top, pad.bottom);
-  const PaddedHolders columns = padded_holders(column, pad.width, pad.left, pad.right);
-  const int width = pad.padded_width();
-  float sum = 0.f;
-#pragma unroll
-  for (int r = 0; r < 3; ++r) {
-#pragma unroll
-    for (int c = 0; c < 3; ++c) {
-      if (rows.index[r] >= 0 && columns.index[c] >= 0) {
-        sum += Storage<T>::to_float(__ldg(dy + rows.index[r] * width + columns.index[c]));
-      }
-    }
+// Copies `count` values of T from `source` (global memory, aligned to sizeof(T)) to
+// shared memory `staged` (16-byte aligned), keeping their offset within 16-byte
+// blocks: value i lands at staged[head + i], head = source's offset in its 16-byte
+// block, in values (returned). The 16-byte blocks wholly inside the range go by
+// cp.async (in flight until the caller's cp_async_wait_all), the values before the
+// first and after the last by scalar loads; nothing outside the range is read. The
+// caller syncs the CTA before reading. staged needs count * sizeof(T) + 16 bytes.
+template <typename T, int THREADS>
+__device__ __forceinline__ int stage_values(T* staged, const T* source, int count) {
+  constexpr int kPer = Storage<T>::kPerVector;
+  const int head = static_cast<int>(reinterpret_cast<uintptr_t>(source) % 16 / sizeof(T));
+  const int lead = min(count, (kPer - head) % kPer);  // values before the first whole block
+  const int blocks = (count - lead) / kPer;
+  const int rest = count - lead - blocks * kPer;  // values after the last
+  const unsigned first_block = static_cast<unsigned>(__cvta_generic_to_shared(staged + head + lead));
+  const uint4* aligned = reinterpret_cast<const uint4*>(source + lead);
+  for (int b = threadIdx.x; b < blocks; b += THREADS) cp_async_16<0>(first_block + 16u * b, aligned + b);
+  for (int j = threadIdx.x; j < lead + rest; j += THREADS) {
+    const int i = j < lead ? j : j + blocks * kPer;
+    staged[head + i] = source[i];
   }
-  return sum;
+  return head;
 }
 
-// The values of the padded gradient dy (of one slice) that hold the slice's values
-// first .. first + kPerVector - 1 themselves (their own positions in the padded
-// slice), as one vector of T: scalar loads (a padded row's values are not 16-byte
-// aligned), all issued before any is used.
+// Folds the pads of one slice's padded gradient, staged in shared memory (dy:
+// pad's padded_height x padded_width values of T), into the values they reflect,
+// as ReflectionPad's backward does: each padded row's pad columns onto the
+// columns they reflect, then the pad rows (whose interior columns now hold their
+// corners too) onto the rows they reflect; a thread per row, then per column, adding
+// in T as PyTorch's pad backward does. The interior (rows top .. top + height - 1,
+// columns left .. left + width - 1) then holds each value's whole gradient. Pad
+// values are read, never written, so the threads' additions do not race; every
+// thread of the CTA calls it (it syncs the CTA after each of its two sweeps).
+template <typename T, int THREADS>
+__device__ __forceinline__ void fold_reflection_pad(T* dy, const ReflectionPad& pad) {
+  using S = Storage<T>;
+  const int width = pad.padded_width();
+  const auto add = [](T& to, T from) { to = S::from_float(S::to_float(to) + S::to_float(from)); };
+  for (int row = threadIdx.x; row < pad.padded_height(); row += THREADS) {
+    T* const columns = dy + row * width + pad.left;  // columns[c]: column c, c < 0 in the left pad
+    for (int j = 1; j <= pad.left; ++j) add(columns[j], columns[-j]);
+    for (int j = 1; j <= pad.right; ++j) add(columns[pad.width - 1 - j], columns[pad.width - 1 + j]);
+  }
+  __syncthreads();
+  for (int column = threadIdx.x; column < pad.width; column += THREADS) {
+    T* const rows = dy + pad.top * width + pad.left + column;  // rows[r * width]: row r
+    for (int i = 1; i <= pad.top; ++i) add(rows[i * width], rows[-i * width]);
+    for (int i = 1; i <= pad.bottom; ++i) add(rows[(pad.height - 1 - i) * width], rows[(pad.height - 1 + i) * width]);
+  }
+  __syncthreads();
+}
+
+// The slice's values first .. first + kPerVector - 1 of the padded gradient dy (of
+// one slice, staged in shared memory, its pads folded: fold_reflection_pad), read
+// from their positions in the padded slice, as one vector of T: scalar loads (a
+// padded row's values are not 16-byte aligned).
 template <typename T>
 __device__ __forceinline__ uint4 padded_own_vector(const T* dy, const ReflectionPad& pad, int first) {
   T values[Storage<T>::kPerVector];
   int row = first / pad.width, column = first - row * pad.width;
+  const T* const own = dy + (row + pad.top) * pad.padded_width() + column + pad.left;
+  if (column + Storage<T>::kPerVector <= pad.width) {  // within one row
 #pragma unroll
-  for (int k = 0; k < Storage<T>::kPerVector; ++k) {
-    values[k] = __ldg(dy + (row + pad.top) * pad.padded_width() + column + pad.left);
-    if (++column == pad.width) column = 0, ++row;
+    for (int k = 0; k < Storage<T>::kPerVector; ++k) values[k] = own[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < Storage<T>::kPerVector; ++k) {
+      values[k] = dy[(row + pad.top) * pad.padded_width() + column + pad.left];
+      if (++column == pad.width) column = 0, ++row;
+    }
   }
   uint4 raw;
   memcpy(&raw, values, sizeof(raw));
   return raw;
-}
-
-// Where the slice's values first .. first + kPerVector - 1 include one next to an
-// edge, replaces each such value of `gradient` (padded_own_vector's) with its whole
-// gradient from dy (padded_gradient: its own padded value and those of the pads that
-// reflect it), rounded to T; the others are left as they are.
-template <typename T>
-__device__ __forceinline__ void add_reflected_gradients(const T* dy, const ReflectionPad& pad, int first,
-                                                        uint4& gradient) {
-  using S = Storage<T>;
-  const int row = first / pad.width, column = first - row * pad.width;
-  const int last_row = (first + S::kPerVector - 1) / pad.width;
-  const bool rows_near_edge = row <= pad.top || last_row >= pad.height - 1 - pad.bottom;
-  // A vector that crosses a row's end holds that row's last and the next row's first values.
-  const bool columns_near_edge = row != last_row || column <= pad.left ||
-                                 column + S::kPerVector - 1 >= pad.width - 1 - pad.right;
-  if (!rows_near_edge && !columns_near_edge) return;
-  float values[S::kPerVector];
-  S::unpack(gradient, values);
-  int r = row, c = column;
-#pragma unroll
-  for (int k = 0; k < S::kPerVector; ++k) {
-    if (r <= pad.top || r >= pad.height - 1 - pad.bottom || c <= pad.left || c >= pad.width - 1 - pad.right) {
-      values[k] = padded_gradient(dy, pad, r, c);
-    }
-    if (++c == pad.width) c = 0, ++r;
-  }
-  gradient = S::pack(values);
 }
 
 // The slice's mean and rstd (in x's units), to the forward's optional outputs;

@@ -103,9 +103,9 @@ struct Epilogue {
 // forward, y is the padded output: (batch, num_channels, padded_spatial()); in the
 // backward, dy is the padded gradient and each value's gradient is the sum of the
 // padded values that hold it (up to 9). Zero-initialized: no pad. Only the block
-// paths take it, forced, contiguous and without a residual (forward_pads,
-// backward_pads), in kernels of their own that take it as a second parameter: a field of the problems
-// would change every other kernel's machine code (docs/perf-notes.md #161).
+// paths take it, contiguous and without a residual (forward_pads, backward_pads),
+// in kernels of their own that take it as a second parameter: a field of the
+// problems would change every other kernel's machine code (docs/perf-notes.md #161).
 struct ReflectionPad {
   int height, width;
   int top, bottom, left, right;
@@ -219,11 +219,10 @@ struct ForwardPlan {
 // With an active `pad`, the plan writes y padded (forward_pads; else the plan is invalid).
 ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, const ReflectionPad& pad = {});
 
-// Whether `forced` can write y padded by `pad`: kBlock, contiguous, without a residual
-// or running statistics, where the block path runs the problem. kAuto never does:
-// measured, the padded kernels were slower than the plain ones plus PyTorch's pad
-// (docs/perf-notes.md #161). Elsewhere a caller runs the problem without the pad and
-// pads y itself. Makes no plan (plans_made does not count it).
+// Whether `forced` can write y padded by `pad`: contiguous, without a residual or
+// running statistics, where the path is kBlock and runs the problem, or kAuto and
+// the chooser takes the block path. Elsewhere a caller runs the problem without the
+// pad and pads y itself. Makes no plan (plans_made does not count it).
 bool forward_pads(const ForwardProblem& problem, const ReflectionPad& pad, ForwardPath forced);
 
 // Launches the plan on `stream`; returns the first CUDA error (launch configuration
@@ -358,9 +357,10 @@ struct BackwardPlan {
 // else the plan is invalid).
 BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced, const ReflectionPad& pad = {});
 
-// Whether `forced` can read the gradient of y padded by `pad`: kBlock where it runs
-// the problem; kAuto never does, as forward_pads. Elsewhere the caller folds the
-// padded gradient itself. Makes no plan.
+// Whether `forced` can read the gradient of y padded by `pad`: kBlock or kAuto
+// (whose chooser takes the block path wherever it runs) where the block path runs
+// the problem and an SM holds its padded kernel's staged slice. Elsewhere the
+// caller folds the padded gradient itself. Makes no plan.
 bool backward_pads(const BackwardProblem& problem, const ReflectionPad& pad, BackwardPath forced);
 cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream);
 

@@ -756,11 +756,12 @@ const ResidentVariant<BackwardProblem>& resident_variant_for(const BackwardProbl
 // aligned x, dy and dx, and spatial / kPerVector <= THREADS * kBlockVectorsPerThread.
 // The CTAs grid-stride over the slices. Sizes: kernels/tuning.h. Pad: empty, or
 // ReflectionPad (the padded kernel, as forward_block_kernel's): dy is the gradient
-// of the slices padded by `pad`; each thread loads the padded values that hold its
-// vectors' values (padded_own_vector, all before any use), then, for its vectors
-// next to an edge, the pads' values that reflect them (add_reflected_gradients):
-// its vectors of dy are those sums rounded to T, as PyTorch's pad backward gives
-// them to the norm's.
+// of the slices padded by `pad`, staged per slice in dynamic shared memory
+// (stage_values: 16-byte cp.async copies, coalesced, in flight beside x's loads;
+// padded_staging_bytes); the CTA folds the pads into the values they reflect
+// (fold_reflection_pad: two sweeps of a few additions per row and per column), and
+// each thread reads its vectors' values from their padded positions
+// (padded_own_vector): the gradient PyTorch's pad backward gives the norm's.
 constexpr int64_t kBlockMaxVectors = int64_t{kBlockLargeThreads} * kBlockVectorsPerThread;
 
 // Register cap: 128 per thread for both sizes (four 128-thread CTAs or one
@@ -786,6 +787,15 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
     const uint4* x = static_cast<const uint4*>(p.x) + first;
     const uint4* dy = static_cast<const uint4*>(p.dy) + first;
     uint4 x_raw[kVecs], dy_raw[kVecs];
+    // The padded kernel's slice of dy, staged in shared memory (in flight beside x's loads).
+    [[maybe_unused]] T* padded_dy = nullptr;
+    if constexpr (kPadded) {
+      extern __shared__ uint4 staged_vectors[];
+      T* const staged = reinterpret_cast<T*>(staged_vectors);
+      const ReflectionPad padding{pad...};
+      const int padded = static_cast<int>(padding.padded_spatial());
+      padded_dy = staged + stage_values<T, THREADS>(staged, static_cast<const T*>(p.dy) + slice * padded, padded);
+    }
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
@@ -795,14 +805,12 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
     }
     if constexpr (kPadded) {
       const ReflectionPad padding{pad...};
-      const T* padded_dy = static_cast<const T*>(p.dy) + slice * padding.padded_spatial();
+      cp_async_wait_all();
+      __syncthreads();
+      fold_reflection_pad<T, THREADS>(padded_dy, padding);
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         if (i < valid) dy_raw[i] = padded_own_vector(padded_dy, padding, (tid + i * THREADS) * kPer);
-      }
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        if (i < valid) add_reflected_gradients(padded_dy, padding, (tid + i * THREADS) * kPer, dy_raw[i]);
       }
     }
     const int64_t channel = slice % p.num_channels;
@@ -846,6 +854,7 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
         store_streaming(dx + i * THREADS, S::pack(out));
       }
     }
+    if constexpr (kPadded) __syncthreads();  // every thread has read the staged slice before the next one
   }
 }
 
@@ -982,9 +991,16 @@ BackwardPlan resident_plan(TeamKind team, const BackwardProblem& p) {
 
 int64_t slice_vectors(const BackwardProblem& p) { return p.spatial / values_per_vector(p.dtype); }
 
+// Dynamic shared-memory bytes of the padded block kernel: one padded slice of dy
+// (stage_values).
+int padded_staging_bytes(const BackwardProblem& p, const ReflectionPad& pad) {
+  return static_cast<int>(round_up(pad.padded_spatial() * element_bytes(p.dtype) + 16, 16));
+}
+
 // The block path: slices of whole aligned vectors up to kBlockMaxVectors, in the
 // small CTA where it holds the slice, else the large one; one CTA per slice,
-// grid-stride. With an active pad, the padded kernel of the same launch.
+// grid-stride. With an active pad, the padded kernel of the same launch with its
+// staging (padded_staging_bytes), where an SM holds one such CTA (else no plan).
 BackwardPlan block_plan(const BackwardProblem& p, const ReflectionPad& pad = {}) {
   BackwardPlan plan{};
   if (!whole_aligned_vectors(p) || slice_vectors(p) > kBlockMaxVectors) return plan;
@@ -1006,6 +1022,13 @@ BackwardPlan block_plan(const BackwardProblem& p, const ReflectionPad& pad = {})
       return cudaSuccess;
     });
   });
+  if (pad.active()) {
+    plan.launch.shared_bytes = padded_staging_bytes(p, pad);
+    if (ctas_per_sm(reinterpret_cast<const void*>(plan.padded_kernel), plan.launch.threads,
+                    plan.launch.shared_bytes) < 1) {
+      return {};
+    }
+  }
   plan.pad = pad;
   plan.path = BackwardPath::kBlock;
   plan.launch.grid = cta_grid(p.num_slices());
@@ -1046,8 +1069,8 @@ BackwardPlan plan_backward(const BackwardProblem& problem, BackwardPath forced, 
 
 bool backward_pads(const BackwardProblem& problem, const ReflectionPad& pad, BackwardPath forced) {
   using namespace backward_detail;
-  return pad.active() && problem.num_slices() > 0 && problem.spatial > 0 && forced == BackwardPath::kBlock &&
-         block_plan(problem, pad).valid();
+  return pad.active() && problem.num_slices() > 0 && problem.spatial > 0 &&
+         (forced == BackwardPath::kAuto || forced == BackwardPath::kBlock) && block_plan(problem, pad).valid();
 }
 
 cudaError_t backward(const BackwardProblem& problem, const BackwardPlan& plan, cudaStream_t stream) {

@@ -108,7 +108,8 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // the nine, and fewer 512-thread CTAs than the shared memory allows would fit an SM).
 // Grid-stride over slices, any alignment and GPU. Pad: empty, or ReflectionPad, the
 // padded kernel (forward_pads: no residual), whose y is the slices padded by `pad`,
-// written value by value from each value's reflected source in shared memory. The pad
+// each value from its reflected source in shared memory, 16-byte stores where the
+// padded slice's 16-byte blocks lie wholly inside it. The pad
 // is an optional trailing parameter, not a field of the problem nor an argument of
 // a shared body, so that the plain kernels keep their machine code (both moved
 // ptxas's output, docs/perf-notes.md #161).
@@ -184,16 +185,35 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
       const ReflectionPad padding{pad...};
       const int width = padding.padded_width(), padded = static_cast<int>(padding.padded_spatial());
       T* const padded_y = static_cast<T*>(p.y) + slice * padded;
-      // One loop per activation (no residual: forward_pads), chosen once per slice.
+      // One loop per activation (no residual: forward_pads), chosen once per slice:
+      // 16-byte stores of the padded slice's aligned 16-byte blocks, scalar ones of
+      // the values before the first and after the last.
       const auto store = [&](auto activation) {
-        int row = static_cast<int>(threadIdx.x) / width, column = static_cast<int>(threadIdx.x) - row * width;
-#pragma unroll 4
-        for (int i = threadIdx.x; i < padded; i += THREADS) {
+        // The value at padded (row, column), from its reflected source.
+        const auto padded_value = [&](int row, int column) {
           const int source = reflect(row - padding.top, padding.height) * padding.width +
                              reflect(column - padding.left, padding.width);
           const float value = y_of(S::to_float(slice_values[source]));
-          padded_y[i] = S::from_float(activate<decltype(activation)::value>(value, p.epilogue.negative_slope));
-          for (column += THREADS; column >= width; column -= width) ++row;
+          return activate<decltype(activation)::value>(value, p.epilogue.negative_slope);
+        };
+        const int head = static_cast<int>(reinterpret_cast<uintptr_t>(padded_y) % 16 / sizeof(T));
+        const int lead = min(padded, (kPer - head) % kPer);
+        const int blocks = (padded - lead) / kPer;
+        const int rest = padded - lead - blocks * kPer;
+        for (int b = threadIdx.x; b < blocks; b += THREADS) {
+          const int first = lead + b * kPer;
+          int row = first / width, column = first - row * width;
+          float values[kPer];
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) {
+            values[k] = padded_value(row, column);
+            if (++column == width) column = 0, ++row;
+          }
+          store_streaming(reinterpret_cast<uint4*>(padded_y + first), S::pack(values));
+        }
+        for (int j = threadIdx.x; j < lead + rest; j += THREADS) {
+          const int i = j < lead ? j : j + blocks * kPer;
+          padded_y[i] = S::from_float(padded_value(i / width, i % width));
         }
       };
       if (p.epilogue.activation == Activation::kNone) {
@@ -1109,7 +1129,8 @@ bool forward_pads(const ForwardProblem& p, const ReflectionPad& pad, ForwardPath
       p.running_mean != nullptr || p.num_slices() <= 0 || p.spatial <= 0) {
     return false;
   }
-  return forced == ForwardPath::kBlock && block_plan(p).valid();
+  if (forced == ForwardPath::kBlock) return block_plan(p).valid();
+  return forced == ForwardPath::kAuto && p.spatial > kWarpMaxSpatial && block_preferred(p, block_plan(p));
 }
 
 cudaError_t forward(const ForwardProblem& problem, const ForwardPlan& plan, cudaStream_t stream) {

@@ -225,16 +225,53 @@ def test_compile_fusion_rewrites_only_what_it_can_fold(solution, case):
     torch.testing.assert_close(out, expected)
 
 
-def test_compile_fusion_leaves_a_padded_norm_alone(solution):
-    """Nothing folds into a norm whose output is reflection-padded (the added tensor
-    has the padded shape, which a residual cannot take)."""
+def _pad_of_sum(norm):
+    def fn(x, r):
+        return F.pad(norm(x) + r, (1, 1, 1, 1), mode="reflect")
+    return fn
+
+
+# case: (fn of a norm -> fn of (x, r), input size (H, W), folds, the rewritten graph's
+# instance_norm calls as (activation, reflection_pad, has residual))
+PAD_FUSION_CASES = {
+    "relu then pad": (lambda n: lambda x, r: F.pad(F.relu(n(x)), (1, 1, 1, 1), mode="reflect"), (40, 40), 2,
+                      [("relu", [1, 1, 1, 1], False)]),
+    "pad module": (lambda n: lambda x, r: nn.ReflectionPad2d((2, 1, 0, 3))(n(x)), (40, 40), 1,
+                   [(None, [2, 1, 0, 3], False)]),
+    "pad then relu": (lambda n: lambda x, r: F.relu(F.pad(n(x), (1, 1, 1, 1), "reflect")), (40, 40), 1,
+                      [(None, [1, 1, 1, 1], False)]),
+    "constant pad": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1)), (40, 40), 0, [(None, None, False)]),
+    "pad of a residual add": (lambda n: _pad_of_sum(n), (40, 40), 1, [(None, None, True)]),
+    "warp-path slices": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1), mode="reflect"), (16, 16), 0,
+                         [(None, None, False)]),
+    "slices past the backward block path": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1), mode="reflect"),
+                                            (128, 160), 0, [(None, None, False)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PAD_FUSION_CASES))
+def test_compile_fusion_folds_a_reflection_pad_where_the_kernels_take_it(solution, case):
+    """A reflection pad after a norm (and its activation) folds where the block paths
+    would write and read it (float32 slices of 1,025 to 16,384 values, no residual);
+    the rewritten graph computes what fn computes (on CPU, PyTorch's composition)."""
+    make, size, folds, calls = PAD_FUSION_CASES[case]
     torch.manual_seed(9)
-    norm = solution.InstanceNorm2d(3, reflection_pad=(1, 1, 1, 1))
-    x, r = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 10, 10)
-    fn = lambda x, r: F.relu(norm(x)) + r
-    out, record = captured_and_rewritten(solution, fn, x, r)
-    assert record["folded"] == 0
-    torch.testing.assert_close(out, fn(x, r))
+    norm = solution.InstanceNorm2d(3)
+    x, r = torch.randn(2, 3, *size), torch.randn(2, 3, *size)
+    record = {}
+
+    def backend(gm, example_inputs):
+        record["folded"] = solution._fuse_epilogues(gm.graph)
+        gm.recompile()
+        arguments = solution._FRONT_ARGUMENTS
+        record["calls"] = [(n.args[8], n.args[11], n.args[10] is not None) if len(n.args) == len(arguments)
+                           else (None, None, False) for n in gm.graph.nodes if n.target in solution._FRONT_TARGETS]
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(make(norm), backend=backend, fullgraph=True)(x, r)
+    assert (record["folded"], record["calls"]) == (folds, calls)
+    torch.testing.assert_close(out, make(norm)(x, r))
 
 
 def through_aot_autograd(solution, module, x):
