@@ -787,15 +787,6 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
     const uint4* x = static_cast<const uint4*>(p.x) + first;
     const uint4* dy = static_cast<const uint4*>(p.dy) + first;
     uint4 x_raw[kVecs], dy_raw[kVecs];
-    // The padded kernel's slice of dy, staged in shared memory (in flight beside x's loads).
-    [[maybe_unused]] T* padded_dy = nullptr;
-    if constexpr (kPadded) {
-      extern __shared__ uint4 staged_vectors[];
-      T* const staged = reinterpret_cast<T*>(staged_vectors);
-      const ReflectionPad padding{pad...};
-      const int padded = static_cast<int>(padding.padded_spatial());
-      padded_dy = staged + stage_values<T, THREADS>(staged, static_cast<const T*>(p.dy) + slice * padded, padded);
-    }
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (i < valid) {
@@ -803,8 +794,19 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
         if constexpr (!kPadded) dy_raw[i] = __ldg(dy + i * THREADS);
       }
     }
+    const int64_t channel = slice % p.num_channels;
+    const float mean = __ldg(p.mean + slice), rstd = __ldg(p.rstd + slice), weight = channel_weight(p, channel);
+    const PreActivation map = kEpilogue ? pre_activation(p, mean, rstd, weight, channel) : PreActivation{};
     if constexpr (kPadded) {
+      // The slice of dy staged in shared memory, after the loads of x and the slice's
+      // statistics are issued: the staging's scalar loads at the slice's ends, and
+      // the syncs after it, wait.
+      extern __shared__ uint4 staged_vectors[];
+      T* const staged = reinterpret_cast<T*>(staged_vectors);
       const ReflectionPad padding{pad...};
+      const int padded = static_cast<int>(padding.padded_spatial());
+      T* const padded_dy =
+          staged + stage_values<T, THREADS>(staged, static_cast<const T*>(p.dy) + slice * padded, padded);
       cp_async_wait_all();
       __syncthreads();
       fold_reflection_pad<T, THREADS>(padded_dy, padding);
@@ -813,9 +815,6 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
         if (i < valid) dy_raw[i] = padded_own_vector(padded_dy, padding, (tid + i * THREADS) * kPer);
       }
     }
-    const int64_t channel = slice % p.num_channels;
-    const float mean = __ldg(p.mean + slice), rstd = __ldg(p.rstd + slice), weight = channel_weight(p, channel);
-    const PreActivation map = kEpilogue ? pre_activation(p, mean, rstd, weight, channel) : PreActivation{};
     // Vector i as floats, dy through the activation's derivative with an epilogue.
     const auto unpack = [&](int i, float(&xv)[kPer], float(&dyv)[kPer]) {
       S::unpack(x_raw[i], xv);
