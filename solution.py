@@ -30,6 +30,7 @@ import hashlib
 import inspect
 import logging
 import math
+import numbers
 import operator
 import os
 import sys
@@ -403,7 +404,15 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         raise TypeError(f"instance_norm: activation must be None or one of {ACTIVATIONS[1:]}, "
                         f"got {type(activation).__name__}")
     return _front(input, running_mean, running_var, weight, bias, use_input_stats, float(momentum), float(eps),
-                  activation, float(negative_slope), residual, _int_tuple("reflection_pad", reflection_pad))
+                  activation, _real("negative_slope", negative_slope), residual,
+                  _int_tuple("reflection_pad", reflection_pad))
+
+
+def _real(name, value):
+    """`value` (a real number, not a bool) as a float: TypeError naming `name` otherwise."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"instance_norm: {name} must be a real number, got {type(value).__name__}")
+    return float(value)
 
 
 def _int_tuple(name, value):
@@ -555,7 +564,7 @@ class _InstanceNorm(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
-        self.negative_slope = negative_slope
+        self.negative_slope = _real("negative_slope", negative_slope)
         self.reflection_pad = _int_tuple("reflection_pad", reflection_pad)
         if self.reflection_pad is not None and (len(self.reflection_pad) != 2 * self._spatial_dims
                                                 or min(self.reflection_pad, default=0) < 0):
@@ -725,7 +734,13 @@ def convert_instance_norm(module, fuse_activations=True, fuse_padding=True):
     nn.ReflectionPad1d/2d/3d after such a norm (or after its folded activation) is
     folded into the norm (its reflection_pad=) and replaced by nn.Identity. Returns
     the converted module (a new object only when `module` is itself a norm); what
-    was converted and fused is logged at INFO level by the logger "instance_norm"."""
+    was converted and fused is logged at INFO level by the logger "instance_norm".
+    TypeError where `module` is not an nn.Module or a fuse option not a bool."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_instance_norm: module must be an nn.Module, got {type(module).__name__}")
+    for name, value in (("fuse_activations", fuse_activations), ("fuse_padding", fuse_padding)):
+        if not isinstance(value, bool):
+            raise TypeError(f"convert_instance_norm: {name} must be a bool, got {type(value).__name__}")
     converted, fused, padded = [], [], []
 
     def convert(name, child):

@@ -39,6 +39,19 @@ def test_epilogue_errors_name_the_argument(solution):
         solution.instance_norm(x, residual=1.0)
     with pytest.raises(ValueError, match="activation must be one of"):
         solution.InstanceNorm2d(3, activation="tanh")
+    for bad in ("a", None, True):
+        with pytest.raises(TypeError, match=f"negative_slope must be a real number, got {type(bad).__name__}"):
+            solution.instance_norm(x, activation="leaky_relu", negative_slope=bad)
+        with pytest.raises(TypeError, match=f"negative_slope must be a real number, got {type(bad).__name__}"):
+            solution.InstanceNorm2d(3, activation="leaky_relu", negative_slope=bad)
+
+
+def test_converter_errors_name_the_argument(solution):
+    with pytest.raises(TypeError, match="module must be an nn.Module, got int"):
+        solution.convert_instance_norm(3)
+    for option in ("fuse_activations", "fuse_padding"):
+        with pytest.raises(TypeError, match=f"{option} must be a bool, got str"):
+            solution.convert_instance_norm(nn.Sequential(), **{option: "yes"})
 
 
 @pytest.mark.parametrize("shape,pad", [((2, 3, 9), (2, 3)), ((2, 3, 6, 7), (1, 2, 3, 0)),
