@@ -716,6 +716,26 @@ __device__ __forceinline__ float epilogue_value(const Epilogue& e, const void* y
 // ReflectionPad does: without repeating the edge value.
 __device__ __forceinline__ int reflect(int i, int n) { return i < 0 ? -i : (i >= n ? 2 * (n - 1) - i : i); }
 
+// How `count` values of T at an address aligned to sizeof(T) lie over 16-byte
+// blocks: `head` values of their first block come before them, `lead` of them
+// before the first whole block, then `blocks` whole blocks, then `rest` values.
+// value(j), j < lead + rest: the index of the j-th value outside the whole blocks.
+struct BlockSpan {
+  int head, lead, blocks, rest;
+  template <typename T>
+  __device__ static BlockSpan of(const T* values, int count) {
+    constexpr int kPer = 16 / sizeof(T);
+    const int head = static_cast<int>(reinterpret_cast<uintptr_t>(values) % 16 / sizeof(T));
+    const int lead = min(count, (kPer - head) % kPer);
+    const int blocks = (count - lead) / kPer;
+    return {head, lead, blocks, count - lead - blocks * kPer};
+  }
+  template <typename T>
+  __device__ int value(int j) const {
+    return j < lead ? j : j + blocks * static_cast<int>(16 / sizeof(T));
+  }
+};
+
 // Copies `count` values of T from `source` (global memory, aligned to sizeof(T)) to
 // shared memory `staged` (16-byte aligned), keeping their offset within 16-byte
 // blocks: value i lands at staged[head + i], head = source's offset in its 16-byte
@@ -725,19 +745,15 @@ __device__ __forceinline__ int reflect(int i, int n) { return i < 0 ? -i : (i >=
 // caller syncs the CTA before reading. staged needs count * sizeof(T) + 16 bytes.
 template <typename T, int THREADS>
 __device__ __forceinline__ int stage_values(T* staged, const T* source, int count) {
-  constexpr int kPer = Storage<T>::kPerVector;
-  const int head = static_cast<int>(reinterpret_cast<uintptr_t>(source) % 16 / sizeof(T));
-  const int lead = min(count, (kPer - head) % kPer);  // values before the first whole block
-  const int blocks = (count - lead) / kPer;
-  const int rest = count - lead - blocks * kPer;  // values after the last
-  const unsigned first_block = static_cast<unsigned>(__cvta_generic_to_shared(staged + head + lead));
-  const uint4* aligned = reinterpret_cast<const uint4*>(source + lead);
-  for (int b = threadIdx.x; b < blocks; b += THREADS) cp_async_16<0>(first_block + 16u * b, aligned + b);
-  for (int j = threadIdx.x; j < lead + rest; j += THREADS) {
-    const int i = j < lead ? j : j + blocks * kPer;
-    staged[head + i] = source[i];
+  const BlockSpan span = BlockSpan::of(source, count);
+  const unsigned first_block = static_cast<unsigned>(__cvta_generic_to_shared(staged + span.head + span.lead));
+  const uint4* aligned = reinterpret_cast<const uint4*>(source + span.lead);
+  for (int b = threadIdx.x; b < span.blocks; b += THREADS) cp_async_16<0>(first_block + 16u * b, aligned + b);
+  for (int j = threadIdx.x; j < span.lead + span.rest; j += THREADS) {
+    const int i = span.value<T>(j);
+    staged[span.head + i] = source[i];
   }
-  return head;
+  return span.head;
 }
 
 // Folds the pads of one slice's padded gradient, staged in shared memory (dy:

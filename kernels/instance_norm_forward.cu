@@ -196,12 +196,9 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
           const float value = y_of(S::to_float(slice_values[source]));
           return activate<decltype(activation)::value>(value, p.epilogue.negative_slope);
         };
-        const int head = static_cast<int>(reinterpret_cast<uintptr_t>(padded_y) % 16 / sizeof(T));
-        const int lead = min(padded, (kPer - head) % kPer);
-        const int blocks = (padded - lead) / kPer;
-        const int rest = padded - lead - blocks * kPer;
-        for (int b = threadIdx.x; b < blocks; b += THREADS) {
-          const int first = lead + b * kPer;
+        const BlockSpan span = BlockSpan::of(padded_y, padded);
+        for (int b = threadIdx.x; b < span.blocks; b += THREADS) {
+          const int first = span.lead + b * kPer;
           int row = first / width, column = first - row * width;
           float values[kPer];
 #pragma unroll
@@ -211,8 +208,8 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
           }
           store_streaming(reinterpret_cast<uint4*>(padded_y + first), S::pack(values));
         }
-        for (int j = threadIdx.x; j < lead + rest; j += THREADS) {
-          const int i = j < lead ? j : j + blocks * kPer;
+        for (int j = threadIdx.x; j < span.lead + span.rest; j += THREADS) {
+          const int i = span.value<T>(j);
           padded_y[i] = S::from_float(padded_value(i / width, i % width));
         }
       };
