@@ -336,6 +336,8 @@ def _update_running_stats_fake(running_mean, running_var, input, stats, momentum
 
 # The front as an op (what torch.compile traces); None without the extension.
 _instance_norm_op = None if _EXT is None else torch.ops.instance_norm_cuda.instance_norm.default
+# A dropped convolution bias's gradient (_DroppedBias); None without the extension.
+_ZERO_GRADIENT_OP = None if _EXT is None else torch.ops.instance_norm_cuda.zero_gradient.default
 
 
 # The activation names instance_norm takes (None: no activation), as in torch.nn.functional;
@@ -947,18 +949,19 @@ def _absorb_user(graph, norm, arguments):
 class _DroppedBias(torch.autograd.Function):
     """What _drop_convolution_bias puts between a convolution whose bias it dropped and
     the norm after it: forward, x itself (autograd makes the output a view of x, no
-    copy); backward, x's gradient passed on and zeros (the bias's shape, dtype and
-    device) for the bias, its exact gradient."""
+    copy); backward, x's gradient passed on and zeros of the bias's shape, dtype and
+    device for the bias, its exact gradient (instance_norm_cuda::zero_gradient, which
+    _merge_zero_gradients fills as one buffer for all of a graph's dropped biases)."""
 
     @staticmethod
     def forward(ctx, x, bias):
-        ctx.bias_type = bias.shape, bias.dtype, bias.device
+        ctx.save_for_backward(bias)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        shape, dtype, device = ctx.bias_type
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
+        (bias,) = ctx.saved_tensors
+        return grad, _ZERO_GRADIENT_OP(bias)
 
 
 def _drop_convolution_bias(graph, norm, arguments):
@@ -1013,53 +1016,102 @@ def _fuse_epilogues(graph):
     return folded
 
 
+def _merge_zero_gradients(graph):
+    """Rewrites an inductor post-grad graph in place: the instance_norm_cuda::
+    zero_gradient calls (the gradients of the convolution biases _drop_convolution_bias
+    dropped) of one dtype and device become slices of one zero buffer (aten.full of
+    their total size, inserted before the first of them), which inductor fills in one
+    kernel where it would launch one per bias; the gradients are then views of that
+    buffer, which autograd keeps as they are. Calls with a symbolic size are left
+    alone. Returns the number of calls replaced."""
+    groups = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _ZERO_GRADIENT_OP and isinstance(node.meta["val"].numel(), int):
+            groups.setdefault((node.meta["val"].dtype, node.meta["val"].device), []).append(node)
+    replaced = 0
+    for (dtype, device), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        values = [node.meta["val"] for node in nodes]
+        total = sum(value.numel() for value in values)
+        with graph.inserting_before(nodes[0]):
+            zeros = graph.call_function(torch.ops.aten.full.default, ([total], 0.0),
+                                        {"dtype": dtype, "layout": torch.strided, "device": device,
+                                         "pin_memory": False})
+        with values[0].fake_mode:
+            zeros.meta["val"] = torch.zeros(total, dtype=dtype, device=device)
+            start = 0
+            for node, value in zip(nodes, values):
+                with graph.inserting_before(node):
+                    piece = graph.call_function(torch.ops.aten.slice.Tensor, (zeros, 0, start, start + value.numel()))
+                    piece.meta["val"] = zeros.meta["val"][start:start + value.numel()]
+                    if value.dim() != 1:
+                        piece = graph.call_function(torch.ops.aten.view.default, (piece, list(value.shape)))
+                        piece.meta["val"] = piece.args[0].meta["val"].view(value.shape)
+                node.replace_all_uses_with(piece)
+                graph.erase_node(node)
+                start += value.numel()
+        replaced += len(nodes)
+    return replaced
+
+
 def _fusion_fingerprint():
-    """What identifies the rewrite for inductor's cache: its code and whether it is on."""
+    """What identifies the rewrites for inductor's cache: their code and whether they are on."""
     functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _reflection_pad_applied,
                  _static_tensor_type, _may_mutate, _movable_to, _drop_convolution_bias, _DroppedBias.forward,
-                 _DroppedBias.backward)
+                 _DroppedBias.backward, _merge_zero_gradients)
     code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
     return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
 
 
-def _install_compile_fusion():
-    """Installs _fuse_epilogues as inductor's pre_grad_custom_pass, keeping one set
-    before (run after ours). Called from the fake kernels, i.e. while Dynamo traces
-    our op: inductor is loaded by then when it is the backend, and importing it here
-    at import time would cost about 1.5 s. Does nothing without inductor loaded,
-    before torch 2.11, or when installed already."""
-    config = sys.modules.get("torch._inductor.config")
-    installed = None if config is None else config.pre_grad_custom_pass
-    if (config is None or getattr(installed, "instance_norm_epilogues", False)
-            or tuple(int(v) for v in torch.__version__.split(".")[:2]) < _MINIMUM_TORCH_FOR_COMPILE_FUSION):
-        return
+def _graph_pass(name, rewrite, message, installed):
+    """An inductor CustomGraphPass named `name` that runs rewrite(graph) (returning a
+    count, logged with `message` when not 0) while the fusion is on, then the passes
+    `installed` (the hook's value before: None, a pass or, from torch 2.14, a list)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    # torch 2.14 also takes a list of passes there.
     previous = tuple(installed) if isinstance(installed, (list, tuple)) else (installed,) if installed else ()
 
-    class EpilogueFusion(CustomGraphPass):
-        instance_norm_epilogues = True
+    class InstanceNormPass(CustomGraphPass):
+        instance_norm_pass = name
 
         def __call__(self, graph):
             if _COMPILE_FUSION["enabled"]:
-                folded = _fuse_epilogues(graph)
-                if folded:
-                    logging.getLogger("instance_norm").info("torch.compile: folded %d activations, residual "
-                                                            "adds, reflection pads and convolution biases into "
-                                                            "instance norms",
-                                                            folded)
+                count = rewrite(graph)
+                if count:
+                    logging.getLogger("instance_norm").info(message, count)
             for other in previous:
                 other(graph)
 
         def __reduce__(self):
             # Inductor pickles its config into cache keys; this stands in for the
             # hook there (a class defined in a function cannot be pickled).
-            return str, (f"instance_norm epilogue fusion {self.uuid()}",)
+            return str, (f"instance_norm {name} {self.uuid()}",)
 
         def uuid(self):
             # A hook without a uuid makes inductor skip its cache, as it would without ours.
             others = [other.uuid() if hasattr(other, "uuid") else None for other in previous]
             return None if None in others else _fusion_fingerprint() + "".join(map(str, others))
 
-    config.pre_grad_custom_pass = EpilogueFusion()
+    return InstanceNormPass()
+
+
+def _install_compile_fusion():
+    """Installs _fuse_epilogues as inductor's pre_grad_custom_pass and
+    _merge_zero_gradients as its post_grad_custom_post_pass, each keeping a pass set
+    before (run after ours). Called from the fake kernels, i.e. while Dynamo traces
+    our op: inductor is loaded by then when it is the backend, and importing it here
+    at import time would cost about 1.5 s. Does nothing without inductor loaded,
+    before torch 2.11, or for a hook that has ours already."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None or tuple(int(v) for v in torch.__version__.split(".")[:2]) < _MINIMUM_TORCH_FOR_COMPILE_FUSION:
+        return
+    for hook, name, rewrite, message in (
+            ("pre_grad_custom_pass", "epilogue fusion", _fuse_epilogues,
+             "torch.compile: folded %d activations, residual adds, reflection pads and convolution biases into "
+             "instance norms"),
+            ("post_grad_custom_post_pass", "zero gradients", _merge_zero_gradients,
+             "torch.compile: %d dropped convolution biases' zero gradients filled as one buffer")):
+        installed = getattr(config, hook)
+        if getattr(installed, "instance_norm_pass", None) != name:
+            setattr(config, hook, _graph_pass(name, rewrite, message, installed))

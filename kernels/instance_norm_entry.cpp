@@ -404,6 +404,14 @@ at::Tensor instance_norm_op(const at::Tensor& input, const std::optional<at::Ten
                negative_slope, residual, reflection_pad.value_or(c10::IntArrayRef()), false);
 }
 
+// The op instance_norm_cuda::zero_gradient: contiguous zeros of like's shape, dtype and
+// device, the exact gradient of a convolution bias that the compile fusion dropped
+// before a norm (solution.py, _DroppedBias). An op of its own, not aten's zeros, so
+// that inductor's post-grad hook finds these calls, and only these, to fill them as
+// one buffer (solution.py, _merge_zero_gradients). CompositeExplicitAutograd: any
+// device, meta included; the result does not depend on like's values.
+at::Tensor zero_gradient_op(const at::Tensor& like) { return at::zeros(like.sizes(), like.options()); }
+
 // A Python argument of the eager front: None or a tensor (TypeError naming `name`
 // otherwise); a float (or anything with __float__; its own TypeError otherwise).
 std::optional<at::Tensor> optional_tensor(PyObject* value, const char* name) {
@@ -1351,10 +1359,15 @@ TORCH_LIBRARY(instance_norm_cuda, m) {
         "float eps, int activation, float negative_slope, Tensor? residual) -> Tensor");
   m.def("update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, Tensor input, Tensor stats, "
         "float momentum, float eps) -> ()");
+  m.def("zero_gradient(Tensor like) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(instance_norm_cuda, CompositeImplicitAutograd, m) {
   m.impl("instance_norm", &instance_norm_op);
+}
+
+TORCH_LIBRARY_IMPL(instance_norm_cuda, CompositeExplicitAutograd, m) {
+  m.impl("zero_gradient", &zero_gradient_op);
 }
 
 TORCH_LIBRARY_IMPL(instance_norm_cuda, CUDA, m) {

@@ -290,10 +290,11 @@ def test_compile_fusion_folds_a_reflection_pad_where_the_kernels_take_it(solutio
 def through_aot_autograd(solution, module, x):
     """module captured by Dynamo (fullgraph), its graph rewritten by the compile
     fusion and traced by AOTAutograd into forward and backward graphs (run eagerly,
-    as inductor would compile them), then run forward and backward (of the mean
-    square) on x: (output, x's gradient, {parameter name: gradient}, folds, biases
-    dropped (_DroppedBias calls in the rewritten graph), the traced forward graph's
-    convolutions with a bias)."""
+    as inductor would compile them, the backward graph after _merge_zero_gradients),
+    then run forward and backward (of the mean square) on x: (output, x's gradient,
+    {parameter name: gradient}, folds, biases dropped (_DroppedBias calls in the
+    rewritten graph), the traced forward graph's convolutions with a bias, zero
+    gradients merged into one buffer)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -304,19 +305,24 @@ def through_aot_autograd(solution, module, x):
                                                and node.args[2] is not None for node in gm.graph.nodes)
         return make_boxed_func(gm.forward)
 
+    def backward_compiler(gm, example_inputs):
+        record["merged"] = solution._merge_zero_gradients(gm.graph)
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
     def backend(gm, example_inputs):
         record["folded"] = solution._fuse_epilogues(gm.graph)
         record["dropped"] = sum(node.target == solution._DroppedBias.apply for node in gm.graph.nodes)
         gm.recompile()
-        return aot_autograd(fw_compiler=forward_compiler,
-                            bw_compiler=lambda gm, _: make_boxed_func(gm.forward))(gm, example_inputs)
+        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(gm, example_inputs)
 
     torch._dynamo.reset()
     x = x.clone().requires_grad_()
     out = torch.compile(module, backend=backend, fullgraph=True)(x)
     out.square().mean().backward()
     grads = {name: p.grad for name, p in module.named_parameters()}
-    return out, x.grad, grads, record["folded"], record["dropped"], record["convolutions with bias"]
+    return (out, x.grad, grads, record["folded"], record["dropped"], record["convolutions with bias"],
+            record["merged"])
 
 
 class _TwoUses(nn.Module):
@@ -376,8 +382,8 @@ def test_compile_fusion_drops_a_convolution_bias_only_where_the_norm_removes_it(
             p.normal_()
     x = torch.randn(shape, dtype=torch.float64)
     reference = copy.deepcopy(module)
-    out, grad_x, grads, folded, dropped_here, with_bias = through_aot_autograd(solution, module, x)
-    assert (folded, dropped_here, with_bias) == (folds, dropped, traced_biases)
+    out, grad_x, grads, folded, dropped_here, with_bias, merged = through_aot_autograd(solution, module, x)
+    assert (folded, dropped_here, with_bias, merged) == (folds, dropped, traced_biases, 0)  # one zero: nothing to merge
     xe = x.clone().requires_grad_()
     expected = reference(xe)
     expected.square().mean().backward()
@@ -401,37 +407,43 @@ def test_compile_fusion_on_the_nets_keeps_outputs_and_gradients(solution, nets, 
     """The real-network benchmark's nets with our norms, captured, rewritten and traced
     through AOTAutograd in float64: every activation and add after a norm folded, the
     bias of every convolution right before a norm dropped, and eager's output and
-    gradients (a dropped bias's gradient is zero, eager's zero up to rounding)."""
+    gradients (a dropped bias's gradient is zero, eager's zero up to rounding); the
+    dropped biases' zero gradients are views of one buffer (_merge_zero_gradients)."""
     folds, dropped, traced_biases = NET_REWRITES[net]
     torch.manual_seed(7)
     model = nets.build(net, "ours", "cpu").double()
     x = torch.randn(CONVERSIONS[net][3], dtype=torch.float64)
     expected_out, expected_grads = nets.output_and_gradients(copy.deepcopy(model), x)
-    out, _, grads, folded, dropped_here, with_bias = through_aot_autograd(solution, model, x)
-    assert (folded, dropped_here, with_bias) == (folds + dropped, dropped, traced_biases)
+    out, _, grads, folded, dropped_here, with_bias, merged = through_aot_autograd(solution, model, x)
+    assert (folded, dropped_here, with_bias, merged) == (folds + dropped, dropped, traced_biases, dropped)
     torch.testing.assert_close(out, expected_out)
+    zero_biases = [grad for name, grad in grads.items() if name.endswith("bias") and torch.count_nonzero(grad) == 0]
+    assert len(zero_biases) == dropped
+    assert len({grad.untyped_storage().data_ptr() for grad in zero_biases}) == 1
     for name, expected in expected_grads.items():
         torch.testing.assert_close(grads[name], expected, atol=1e-12, rtol=1e-7, msg=name)
 
 
-def test_compile_fusion_installs_once_and_keeps_a_hook_set_before(solution):
+@pytest.mark.parametrize("hook, name", [("pre_grad_custom_pass", "epilogue fusion"),
+                                        ("post_grad_custom_post_pass", "zero gradients")])
+def test_compile_fusion_installs_once_and_keeps_a_hook_set_before(solution, hook, name):
     import torch._inductor.config as config
 
     seen = []
-    with config.patch(pre_grad_custom_pass=seen.append):
+    with config.patch({hook: seen.append}):
         solution._install_compile_fusion()
-        installed = config.pre_grad_custom_pass
-        assert installed.instance_norm_epilogues
+        installed = getattr(config, hook)
+        assert installed.instance_norm_pass == name
         solution._install_compile_fusion()
-        assert config.pre_grad_custom_pass is installed
+        assert getattr(config, hook) is installed
         graph = torch.fx.Graph()
         installed(graph)
         assert seen == [graph]
         assert installed.uuid() is None  # the earlier hook has no uuid: inductor must not cache
-        assert "epilogue fusion" in pickle.loads(pickle.dumps(installed))  # inductor pickles its config
-    with config.patch(pre_grad_custom_pass=None):
+        assert name in pickle.loads(pickle.dumps(installed))  # inductor pickles its config
+    with config.patch({hook: None}):
         solution._install_compile_fusion()
-        first = config.pre_grad_custom_pass.uuid()
+        first = getattr(config, hook).uuid()
         solution.set_compile_fusion(False)
-        assert isinstance(first, str) and config.pre_grad_custom_pass.uuid() != first
+        assert isinstance(first, str) and getattr(config, hook).uuid() != first
         solution.set_compile_fusion(True)

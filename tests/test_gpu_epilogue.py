@@ -222,7 +222,7 @@ def compiled_with_epilogues(model, x):
     with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
         out = torch.compile(model, fullgraph=True)(x)
         out.float().square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]  # as autograd left them (views of one zero buffer, some)
     model.zero_grad(set_to_none=True)
     return out, x.grad, grads, sorted(calls[forward_op]), sorted(calls[backward_op]), len(biased)
 
@@ -282,7 +282,7 @@ def test_compile_folds_the_nets_epilogues(solution, nets, net):
     residual add after a norm folded into it (the transformer net's F.relu too), the
     bias of every convolution right before a norm dropped, and the same output and
     gradients as eager (relative to their norms; the dropped biases' gradients are
-    zero, eager's zero up to rounding)."""
+    zero, eager's zero up to rounding, and views of one buffer: _merge_zero_gradients)."""
     shape, folds, biased = NET_FOLDS[net]
     model = nets.build(net, "ours")
     # TF32 convolutions would differ between the eager and compiled convolution algorithms.
@@ -292,6 +292,11 @@ def test_compile_folds_the_nets_epilogues(solution, nets, net):
     out, grad_x, grads, forwards, _, with_bias = compiled_with_epilogues(model, x)
     assert {call: forwards.count(call) for call in set(forwards)} == folds
     assert with_bias == biased
+    convolution_biases = [grad for (name, p), grad in zip(model.named_parameters(), grads) if name.endswith("bias")
+                          and isinstance(model.get_submodule(name.rpartition(".")[0]), torch.nn.modules.conv._ConvNd)]
+    zeros = [grad for grad in convolution_biases if torch.count_nonzero(grad) == 0]
+    assert len(zeros) == len(convolution_biases) - biased > 1
+    assert len({grad.untyped_storage().data_ptr() for grad in zeros}) == 1
     expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
     for result, expected in zip((out, grad_x, *grads), (expected_out, expected_grad_x, *expected_grads)):
         assert (result - expected).norm() <= 1e-3 * expected.norm() + 1e-6
