@@ -1067,7 +1067,7 @@ def _fusion_fingerprint():
 def _graph_pass(name, rewrite, message, installed):
     """An inductor CustomGraphPass named `name` that runs rewrite(graph) (returning a
     count, logged with `message` when not 0) while the fusion is on, then the passes
-    `installed` (the hook's value before: None, a pass or, from torch 2.14, a list)."""
+    `installed` (the hook's value before: None, one callable or, from torch 2.14, a list)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     previous = tuple(installed) if isinstance(installed, (list, tuple)) else (installed,) if installed else ()
@@ -1098,8 +1098,8 @@ def _graph_pass(name, rewrite, message, installed):
 
 def _install_compile_fusion():
     """Installs _fuse_epilogues as inductor's pre_grad_custom_pass and
-    _merge_zero_gradients as its post_grad_custom_post_pass, each keeping a pass set
-    before (run after ours). Called from the fake kernels, i.e. while Dynamo traces
+    _merge_zero_gradients as its post_grad_custom_post_pass, each keeping what the hook
+    held before (run after ours). Called from the fake kernels, i.e. while Dynamo traces
     our op: inductor is loaded by then when it is the backend, and importing it here
     at import time would cost about 1.5 s. Does nothing without inductor loaded,
     before torch 2.11, or for a hook that has ours already."""

@@ -713,8 +713,10 @@ __device__ __forceinline__ float epilogue_value(const Epilogue& e, const void* y
 
 // The source index of index i (counted from the dim's first unpadded value, so
 // negative in the pad before it) of a dim of n values, reflected as PyTorch's
-// ReflectionPad does: without repeating the edge value.
-__device__ __forceinline__ int reflect(int i, int n) { return i < 0 ? -i : (i >= n ? 2 * (n - 1) - i : i); }
+// ReflectionPad does: without repeating the edge value. For -(n - 1) <= i <= 2 (n -
+// 1), i.e. pads shorter than the dim (as PyTorch requires): -i before the dim, 2 (n -
+// 1) - i after it, as n - 1 - |n - 1 - |i|| (two absolute values, no compares).
+__device__ __forceinline__ int reflect(int i, int n) { return (n - 1) - abs((n - 1) - abs(i)); }
 
 // How `count` values of T at an address aligned to sizeof(T) lie over 16-byte
 // blocks: `head` values of their first block come before them, `lead` of them
@@ -733,6 +735,20 @@ struct BlockSpan {
   template <typename T>
   __device__ int value(int j) const {
     return j < lead ? j : j + blocks * static_cast<int>(16 / sizeof(T));
+  }
+};
+
+// A position (row, column) in rows of `width` values, moved on by `stride` values at
+// a time: one division to start, none per move.
+struct RowCursor {
+  int row, column;
+  int stride_rows, stride_columns, width;
+  __device__ RowCursor(int first, int stride, int width)
+      : row(first / width), column(first % width), stride_rows(stride / width), stride_columns(stride % width),
+        width(width) {}
+  __device__ void advance() {
+    row += stride_rows, column += stride_columns;
+    if (column >= width) column -= width, ++row;
   }
 };
 
@@ -784,14 +800,13 @@ __device__ __forceinline__ void fold_reflection_pad(T* dy, const ReflectionPad& 
   __syncthreads();
 }
 
-// The slice's values first .. first + kPerVector - 1 of the padded gradient dy (of
-// one slice, staged in shared memory, its pads folded: fold_reflection_pad), read
-// from their positions in the padded slice, as one vector of T: scalar loads (a
-// padded row's values are not 16-byte aligned).
+// The kPerVector values of the slice from (row, column) on (in the slice's rows) of
+// the padded gradient dy (of one slice, staged in shared memory, its pads folded:
+// fold_reflection_pad), read from their positions in the padded slice, as one vector
+// of T: scalar loads (a padded row's values are not 16-byte aligned).
 template <typename T>
-__device__ __forceinline__ uint4 padded_own_vector(const T* dy, const ReflectionPad& pad, int first) {
+__device__ __forceinline__ uint4 padded_own_vector(const T* dy, const ReflectionPad& pad, int row, int column) {
   T values[Storage<T>::kPerVector];
-  int row = first / pad.width, column = first - row * pad.width;
   const T* const own = dy + (row + pad.top) * pad.padded_width() + column + pad.left;
   if (column + Storage<T>::kPerVector <= pad.width) {  // within one row
 #pragma unroll

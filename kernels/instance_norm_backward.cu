@@ -810,9 +810,11 @@ __global__ void __launch_bounds__(THREADS, kBlockLargeThreads / THREADS)
       cp_async_wait_all();
       __syncthreads();
       fold_reflection_pad<T, THREADS>(padded_dy, padding);
+      RowCursor position(tid * kPer, THREADS * kPer, padding.width);
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
-        if (i < valid) dy_raw[i] = padded_own_vector(padded_dy, padding, (tid + i * THREADS) * kPer);
+        if (i < valid) dy_raw[i] = padded_own_vector(padded_dy, padding, position.row, position.column);
+        position.advance();
       }
     }
     // Vector i as floats, dy through the activation's derivative with an epilogue.

@@ -105,7 +105,9 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // sweeps' instructions bind; per-vector Chan merges save a sweep but add more
 // instructions than they save (docs/perf-notes.md #88, #90). 2048 / THREADS CTAs per SM in the launch
 // bounds hold the kernel at 32 registers (without them ptxas takes 40-63 in four of
-// the nine, and fewer 512-thread CTAs than the shared memory allows would fit an SM).
+// the nine, and fewer 512-thread CTAs than the shared memory allows would fit an SM);
+// the padded kernels get 1536 / THREADS, 40 registers, which their store loop's
+// positions need (at 32 the 16-bit ones spill).
 // Grid-stride over slices, any alignment and GPU. Pad: empty, or ReflectionPad, the
 // padded kernel (forward_pads: no residual), whose y is the slices padded by `pad`,
 // each value from its reflected source in shared memory, 16-byte stores where the
@@ -114,7 +116,8 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // a shared body, so that the plain kernels keep their machine code (both moved
 // ptxas's output, docs/perf-notes.md #161).
 template <typename T, int THREADS, typename... Pad>
-__global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(const ForwardProblem p, Pad... pad) {
+__global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) / THREADS)
+    forward_block_kernel(const ForwardProblem p, Pad... pad) {
   static_assert(sizeof...(Pad) <= 1, "one pad at most");
   constexpr bool kPadded = sizeof...(Pad) == 1;
   using S = Storage<T>;
@@ -189,28 +192,43 @@ __global__ void __launch_bounds__(THREADS, 2048 / THREADS) forward_block_kernel(
       // 16-byte stores of the padded slice's aligned 16-byte blocks, scalar ones of
       // the values before the first and after the last.
       const auto store = [&](auto activation) {
-        // The value at padded (row, column), from its reflected source.
-        const auto padded_value = [&](int row, int column) {
-          const int source = reflect(row - padding.top, padding.height) * padding.width +
-                             reflect(column - padding.left, padding.width);
+        // The padded output of the slice's value `source`, and the sources of a padded
+        // row's values and of a padded column's.
+        const auto value_at = [&](int source) {
           const float value = y_of(S::to_float(slice_values[source]));
           return activate<decltype(activation)::value>(value, p.epilogue.negative_slope);
         };
+        const auto source_row = [&](int row) { return reflect(row - padding.top, padding.height) * padding.width; };
+        const auto source_column = [&](int column) { return reflect(column - padding.left, padding.width); };
         const BlockSpan span = BlockSpan::of(padded_y, padded);
+        // Each block's first (row, column) of the padded slice. Where a padded row
+        // holds a whole block, a block spans two rows at most, whose sources are
+        // found once per block (else per value).
+        RowCursor position(span.lead + static_cast<int>(threadIdx.x) * kPer, THREADS * kPer, width);
         for (int b = threadIdx.x; b < span.blocks; b += THREADS) {
-          const int first = span.lead + b * kPer;
-          int row = first / width, column = first - row * width;
           float values[kPer];
+          if (width >= kPer) {  // uniform
+            int source = source_row(position.row), c = position.column;
+            const int next = source_row(position.row + 1);  // past the slice for its last row: then not used
 #pragma unroll
-          for (int k = 0; k < kPer; ++k) {
-            values[k] = padded_value(row, column);
-            if (++column == width) column = 0, ++row;
+            for (int k = 0; k < kPer; ++k) {
+              values[k] = value_at(source + source_column(c));
+              if (++c == width) c = 0, source = next;
+            }
+          } else {
+            int r = position.row, c = position.column;
+#pragma unroll
+            for (int k = 0; k < kPer; ++k) {
+              values[k] = value_at(source_row(r) + source_column(c));
+              if (++c == width) c = 0, ++r;
+            }
           }
-          store_streaming(reinterpret_cast<uint4*>(padded_y + first), S::pack(values));
+          store_streaming(reinterpret_cast<uint4*>(padded_y + span.lead + b * kPer), S::pack(values));
+          position.advance();
         }
         for (int j = threadIdx.x; j < span.lead + span.rest; j += THREADS) {
           const int i = span.value<T>(j);
-          padded_y[i] = S::from_float(padded_value(i / width, i % width));
+          padded_y[i] = S::from_float(value_at(source_row(i / width) + source_column(i % width)));
         }
       };
       if (p.epilogue.activation == Activation::kNone) {
