@@ -30,7 +30,9 @@ torch.compile(mode="reduce-overhead") of the net. Each variant takes --rounds x 
 timed steps, one step of each variant in turn, each step's wall time taken on the host
 with a synchronize after it (host time included: what a user waits for); the table
 gives medians in ms and the norm cost ratios
-(ours - identity) / (pytorch - identity), and the same for fused.
+(ours - identity) / (pytorch - identity), and the same for fused, from those medians
+and ("paired") from the medians of the differences within each turn, which a drift
+of the host's speed between turns does not move (norm_cost_ratios).
 
 Before timing, each net's output and parameter gradients in fp32 (TF32 off, cuDNN
 deterministic), with our norms and with PyTorch's, are compared with the same net
@@ -281,9 +283,9 @@ def step_times_ms(step, steps):
 
 
 def time_net(net, mode, steps, rounds, warmup):
-    """{variant: median step ms} over rounds * steps steps of each variant, one step of
-    each in turn: the host's speed drifts by tens of percent within a minute on the
-    H200 machine (docs/perf-notes.md #125), and a drift then falls on every variant alike
+    """{variant: [step ms]} over rounds * steps turns, each turn one step of every
+    variant: the host's speed drifts by tens of percent within a minute on the H200
+    machine (docs/perf-notes.md #125), and a drift then falls on every variant alike
     instead of on the block of steps that one variant ran in."""
     stepper = {variant: make_step(net, variant, mode) for variant in VARIANTS}
     for step in stepper.values():
@@ -292,7 +294,24 @@ def time_net(net, mode, steps, rounds, warmup):
     for _ in range(rounds * steps):
         for variant, step in stepper.items():
             times[variant] += step_times_ms(step, 1)
-    return {variant: statistics.median(t) for variant, t in times.items()}
+    return times
+
+
+def norm_cost_ratios(times):
+    """The norm cost ratios (ours - identity) / (pytorch - identity), and fused's, of
+    time_net's step times: "ratio" and "fused_ratio" from the variants' median steps;
+    "paired_ratio" and "paired_fused_ratio" from the medians of each turn's differences
+    (its steps ran back to back, so a drift of the host's speed within the run falls
+    on both steps of a difference alike)."""
+    medians = {variant: statistics.median(t) for variant, t in times.items()}
+
+    def paired(variant):
+        return statistics.median(v - f for v, f in zip(times[variant], times["identity"]))
+
+    return {"ratio": (medians["ours"] - medians["identity"]) / (medians["pytorch"] - medians["identity"]),
+            "fused_ratio": (medians["fused"] - medians["identity"]) / (medians["pytorch"] - medians["identity"]),
+            "paired_ratio": paired("ours") / paired("pytorch"),
+            "paired_fused_ratio": paired("fused") / paired("pytorch")}
 
 
 def host_us(fn, calls):
@@ -541,16 +560,16 @@ def main():
             for variant, (out, grad, name) in errors.items()) + f" ({'ok' if ok else 'FAILED'})", flush=True)
     if nets:
         print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'fused':>9} {'identity':>9}  "
-              f"norm cost / pytorch's: ours, fused (median step ms)")
+              f"norm cost / pytorch's: ours, fused (median step ms); paired: ours, fused")
     for net in nets:
         for mode in modes:
-            medians = time_net(net, mode, args.steps, args.rounds, args.warmup)
-            floor = medians["identity"]
-            ratio = (medians["ours"] - floor) / (medians["pytorch"] - floor)
-            fused_ratio = (medians["fused"] - floor) / (medians["pytorch"] - floor)
-            results["steps"].append({"net": net, "mode": mode, **medians, "ratio": ratio, "fused_ratio": fused_ratio})
+            times = time_net(net, mode, args.steps, args.rounds, args.warmup)
+            medians = {variant: statistics.median(t) for variant, t in times.items()}
+            ratios = norm_cost_ratios(times)
+            results["steps"].append({"net": net, "mode": mode, **medians, **ratios})
             print(f"{net:<12} {mode:<8} {medians['pytorch']:9.2f} {medians['ours']:9.2f} {medians['fused']:9.2f} "
-                  f"{floor:9.2f}  {ratio:.2f}, {fused_ratio:.2f}", flush=True)
+                  f"{medians['identity']:9.2f}  {ratios['ratio']:.2f}, {ratios['fused_ratio']:.2f}; paired: "
+                  f"{ratios['paired_ratio']:.2f}, {ratios['paired_fused_ratio']:.2f}", flush=True)
             torch._dynamo.reset()
     if not args.no_host:
         print(f"\nhost us per call (wall) {'':<22} forward          forward+backward per layer of {CHAIN}")

@@ -1,6 +1,7 @@
 """CPU tests of the real-network benchmark's nets (benchmarks/nets.py): the published
 architectures' norm and parameter counts, the same conv weights for every norm
-variant, the accuracy comparison, and how --kernels groups kernels."""
+variant, the accuracy comparison, the norm cost ratios, and how --kernels groups
+kernels."""
 import pytest
 import torch
 
@@ -50,3 +51,18 @@ def test_kernel_table_groups_inductor_kernels_by_family(nets):
     kernels = [("triton_poi_fused_zeros_5", 10, 8.0), ("triton_poi_fused_zeros_9", 95, 72.0),
                ("memset32", 30, 37.0), ("idle", 5, 0.0)]
     assert nets.per_family(kernels, 5) == {"triton_poi_fused_zeros": (21.0, 16.0), "memset32": (6.0, 7.4)}
+
+
+def test_paired_ratios_cancel_a_drift_between_turns(nets):
+    """Each turn's steps share the host's speed of that moment. With one turn in three
+    2 ms slower for every variant and up to 0.2 ms of noise on the floor's steps (median
+    0), the paired ratios are the true 0.5 and 0.25, where the ratios of the medians
+    come out 0 and -0.5 (the floor's median moves by the noise, the others' not)."""
+    turns = 9
+    drift = [2.0 if turn % 3 == 0 else 0.0 for turn in range(turns)]
+    noise = [0.1 * ((turn * 7) % 5 - 2) for turn in range(turns)]  # -0.2 .. 0.2, median 0
+    cost = {"identity": 0.0, "pytorch": 0.4, "ours": 0.2, "fused": 0.1}
+    times = {variant: [3.0 + c + d + (n if variant == "identity" else 0.0) for d, n in zip(drift, noise)]
+             for variant, c in cost.items()}
+    assert nets.norm_cost_ratios(times) == pytest.approx(
+        {"ratio": 0.0, "fused_ratio": -0.5, "paired_ratio": 0.5, "paired_fused_ratio": 0.25})
