@@ -405,14 +405,20 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     if activation is not None and not isinstance(activation, str):
         raise TypeError(f"instance_norm: activation must be None or one of {ACTIVATIONS[1:]}, "
                         f"got {type(activation).__name__}")
-    return _front(input, running_mean, running_var, weight, bias, use_input_stats, float(momentum), float(eps),
-                  activation, _real("negative_slope", negative_slope), residual,
+    momentum = _real("momentum", momentum, as_torch_float=True)
+    eps = _real("eps", eps, as_torch_float=True)
+    return _front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation,
+                  _real("negative_slope", negative_slope), residual,
                   _int_tuple("reflection_pad", reflection_pad))
 
 
-def _real(name, value):
-    """`value` (a real number, not a bool) as a float: TypeError naming `name` otherwise."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+def _real(name, value, as_torch_float=False):
+    """`value` (a real number, not a bool) as a float; with as_torch_float, whatever
+    F.instance_norm's float arguments take (a bool or a one-element tensor too).
+    TypeError naming `name` otherwise."""
+    taken = (isinstance(value, numbers.Real) and (as_torch_float or not isinstance(value, bool))
+             or as_torch_float and isinstance(value, torch.Tensor) and value.numel() == 1)
+    if not taken:
         raise TypeError(f"instance_norm: {name} must be a real number, got {type(value).__name__}")
     return float(value)
 
@@ -563,6 +569,8 @@ class _InstanceNorm(nn.Module):
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=False, track_running_stats=False,
                  device=None, dtype=None, *, bias=True, activation=None, negative_slope=0.01, reflection_pad=None):
         super().__init__()
+        if activation is not None and not isinstance(activation, str):
+            raise TypeError(f"activation must be None or one of {ACTIVATIONS[1:]}, got {type(activation).__name__}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
@@ -722,7 +730,7 @@ def _fold_reflection_pads(sequential, prefix, folded):
         if (_REFLECTION_PADS.get(type(pad)) == norm._spatial_dims and not pad._forward_hooks
                 and not pad._forward_pre_hooks):
             norm.reflection_pad = tuple(int(value) for value in pad.padding)
-            sequential._modules[names[j]] = nn.Identity()
+            sequential._modules[names[j]] = nn.Identity().train(pad.training)
             folded.append(f"{prefix}.{names[j]}" if prefix else names[j])
 
 
@@ -758,7 +766,7 @@ def convert_instance_norm(module, fuse_activations=True, fuse_padding=True):
                 fusable = _fusable_activation(activation) if isinstance(norm, _InstanceNorm) else None
                 if fusable is not None and norm.activation is None:
                     norm.activation, norm.negative_slope = fusable
-                    child._modules[second] = nn.Identity()
+                    child._modules[second] = nn.Identity().train(activation.training)
                     fused.append(f"{name}.{second}" if name else second)
         if fuse_padding and isinstance(child, nn.Sequential):
             _fold_reflection_pads(child, name, padded)
@@ -811,9 +819,12 @@ _MINIMUM_TORCH_FOR_COMPILE_FUSION = (2, 11)
 
 
 def set_compile_fusion(enabled):
-    """Turns the torch.compile epilogue fusion on (the default) or off for graphs
-    compiled from now on (inductor's cache key includes the setting)."""
-    _COMPILE_FUSION["enabled"] = bool(enabled)
+    """Turns the torch.compile epilogue fusion on (the default, True) or off (False)
+    for graphs compiled from now on (inductor's cache key includes the setting).
+    TypeError where `enabled` is not a bool."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_compile_fusion: enabled must be a bool, got {type(enabled).__name__}")
+    _COMPILE_FUSION["enabled"] = enabled
 
 
 def _activation_applied(node):

@@ -71,6 +71,24 @@ def test_wrong_weight_or_bias_names_it(solution, option):
         solution.instance_norm(x, **{option: [1.0, 1.0, 1.0]})
 
 
+def test_float_options_take_what_pytorch_takes_and_name_the_argument(solution):
+    """momentum and eps: what F.instance_norm's float arguments take (numbers, bools,
+    one-element tensors), and a TypeError naming the argument otherwise."""
+    x = torch.randn(2, 3, 4, 4)
+    mean, var = torch.zeros(3), torch.ones(3)
+    for value in (0.2, 1, True, torch.tensor(0.2)):
+        expected_mean, expected_var = mean.clone(), var.clone()
+        expected = F.instance_norm(x, expected_mean, expected_var, use_input_stats=True, momentum=value, eps=value)
+        ours_mean, ours_var = mean.clone(), var.clone()
+        out = solution.instance_norm(x, ours_mean, ours_var, use_input_stats=True, momentum=value, eps=value)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close((ours_mean, ours_var), (expected_mean, expected_var))
+    for name in ("momentum", "eps"):
+        for bad in ("0.1", None, [0.1]):
+            with pytest.raises(TypeError, match=f"{name} must be a real number, got {type(bad).__name__}"):
+                solution.instance_norm(x, **{name: bad})
+
+
 def test_functional_matches_pytorch_on_cpu(solution):
     torch.manual_seed(1)
     x, weight, bias = torch.randn(2, 3, 6, 6), torch.randn(3), torch.randn(3)

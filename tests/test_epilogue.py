@@ -39,6 +39,10 @@ def test_epilogue_errors_name_the_argument(solution):
         solution.instance_norm(x, residual=1.0)
     with pytest.raises(ValueError, match="activation must be one of"):
         solution.InstanceNorm2d(3, activation="tanh")
+    with pytest.raises(TypeError, match="activation must be None or one of .*, got int"):
+        solution.InstanceNorm2d(3, activation=3)
+    with pytest.raises(TypeError, match="enabled must be a bool, got str"):
+        solution.set_compile_fusion("no")
     for bad in ("a", None, True):
         with pytest.raises(TypeError, match=f"negative_slope must be a real number, got {type(bad).__name__}"):
             solution.instance_norm(x, activation="leaky_relu", negative_slope=bad)
@@ -139,6 +143,11 @@ def test_converter_replaces_a_bare_norm_and_keeps_its_state(solution):
     assert converted.running_mean is norm.running_mean and converted.weight is norm.weight
     unfused = solution.convert_instance_norm(nn.Sequential(nn.InstanceNorm2d(2), nn.ReLU()), fuse_activations=False)
     assert isinstance(unfused[1], nn.ReLU) and unfused[0].activation is None
+    # The modules put in place of a fused activation and pad keep eval mode.
+    model = nn.Sequential(nn.InstanceNorm2d(2), nn.ReLU(), nn.ReflectionPad2d(1)).eval()
+    fused = solution.convert_instance_norm(model)
+    assert isinstance(fused[1], nn.Identity) and isinstance(fused[2], nn.Identity)
+    assert not any(module.training for module in fused.modules())
 
 
 def test_converter_folds_only_a_reflection_pad_of_the_norms_dims_after_it(solution):
