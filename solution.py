@@ -1033,12 +1033,13 @@ def _merge_zero_gradients(graph):
     dropped) of one dtype and device become slices of one zero buffer (aten.full of
     their total size, inserted before the first of them), which inductor fills in one
     kernel where it would launch one per bias; the gradients are then views of that
-    buffer, which autograd keeps as they are. Calls with a symbolic size are left
-    alone. Returns the number of calls replaced."""
+    buffer, which autograd keeps as they are. Only 1-d calls of a static size are
+    merged (a convolution's bias is 1-d). Returns the number of calls replaced."""
     groups = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is _ZERO_GRADIENT_OP and isinstance(node.meta["val"].numel(), int):
-            groups.setdefault((node.meta["val"].dtype, node.meta["val"].device), []).append(node)
+        value = node.meta.get("val") if node.op == "call_function" and node.target is _ZERO_GRADIENT_OP else None
+        if value is not None and value.dim() == 1 and isinstance(value.numel(), int):
+            groups.setdefault((value.dtype, value.device), []).append(node)
     replaced = 0
     for (dtype, device), nodes in groups.items():
         if len(nodes) < 2:
@@ -1055,10 +1056,7 @@ def _merge_zero_gradients(graph):
             for node, value in zip(nodes, values):
                 with graph.inserting_before(node):
                     piece = graph.call_function(torch.ops.aten.slice.Tensor, (zeros, 0, start, start + value.numel()))
-                    piece.meta["val"] = zeros.meta["val"][start:start + value.numel()]
-                    if value.dim() != 1:
-                        piece = graph.call_function(torch.ops.aten.view.default, (piece, list(value.shape)))
-                        piece.meta["val"] = piece.args[0].meta["val"].view(value.shape)
+                piece.meta["val"] = zeros.meta["val"][start:start + value.numel()]
                 node.replace_all_uses_with(piece)
                 graph.erase_node(node)
                 start += value.numel()

@@ -433,6 +433,28 @@ def test_compile_fusion_on_the_nets_keeps_outputs_and_gradients(solution, nets, 
         torch.testing.assert_close(grads[name], expected, atol=1e-12, rtol=1e-7, msg=name)
 
 
+def test_zero_gradient_merge_takes_1d_calls_of_one_dtype(solution):
+    """_merge_zero_gradients on a graph of zero_gradient calls: the 1-d float32 ones
+    (sizes 4 and 5) become slices of one buffer; a 2-d one and the only float64 one
+    stay calls of their own. Run, every result is zeros of its call's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    likes = [torch.randn(4), torch.randn(2, 3), torch.randn(5), torch.randn(3, dtype=torch.float64)]
+    graph = torch.fx.Graph()
+    placeholders = [graph.placeholder(f"like{i}") for i in range(len(likes))]
+    calls = [graph.call_function(solution._ZERO_GRADIENT_OP, (p,)) for p in placeholders]
+    graph.output(tuple(calls))
+    with FakeTensorMode():
+        for call, like in zip(calls, likes):
+            call.meta["val"] = torch.zeros(like.shape, dtype=like.dtype)
+    assert solution._merge_zero_gradients(graph) == 2
+    assert sum(node.target is solution._ZERO_GRADIENT_OP for node in graph.nodes) == 2
+    outputs = torch.fx.GraphModule({}, graph)(*likes)
+    for out, like in zip(outputs, likes):
+        assert out.shape == like.shape and out.dtype == like.dtype and torch.count_nonzero(out) == 0
+    assert outputs[0].untyped_storage().data_ptr() == outputs[2].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("hook, name", [("pre_grad_custom_pass", "epilogue fusion"),
                                         ("post_grad_custom_post_pass", "zero gradients")])
 def test_compile_fusion_installs_once_and_keeps_a_hook_set_before(solution, hook, name):
