@@ -18,7 +18,8 @@ the running-statistics update and a misaligned view, in float32 and bfloat16, wi
 per-channel weight; and the block paths' reflection-padded kernels (PAD_CASES: 1D and
 2D, asymmetric pads, a 3-row slice whose middle row both pads reflect, 128-thread
 and 512-thread backward CTAs, the latter with 64 KB of padded gradient in shared
-memory, padded slices at every offset within 16 bytes), checked against F.pad of
+memory, padded slices at every offset within 16 bytes, padded rows narrower than a
+16-bit vector), checked against F.pad of
 the reference and the generic path's gradient.
 The block path's extra M2 sweep runs on the slices whose first value lies over 2
 standard deviations from their mean, about 5% of these random ones. Exits 1 if any
@@ -49,7 +50,8 @@ SHAPES = [(1, 2, 512, 512), (1, 3, 300, 300), (2, 2, 33, 31), (2, 3, 45, 45), (2
 
 
 PAD_CASES = [((4, 8, 64, 64), (1, 1, 1, 1)), ((2, 3, 36, 50), (2, 0, 3, 1)), ((1, 2, 3, 520), (2, 2, 2, 2)),
-             ((2, 4, 2048), (5, 3)), ((1, 2, 128, 128), (3, 3, 1, 1)), ((2, 3, 33, 40), (1, 2, 1, 1))]
+             ((2, 4, 2048), (5, 3)), ((1, 2, 128, 128), (3, 3, 1, 1)), ((2, 3, 33, 40), (1, 2, 1, 1)),
+             ((2, 3, 40, 3), (1, 1, 1, 1))]
 
 
 def close(out, reference, dtype):
