@@ -867,7 +867,7 @@ def _reflection_pad_applied(node, norm, arguments):
     (instance_norm's reflection_pad): the output static, contiguous, 1D or 2D, no
     residual, the input's own statistics, slices of whole 16-byte vectors larger
     than the warp path's and within the backward block path's (forward_capacities,
-    backward_capacities). Elsewhere PyTorch's pad would run inside our op, where
+    backward_capacities), padded rows of one 16-byte vector at least. Elsewhere PyTorch's pad would run inside our op, where
     inductor fuses its own; None."""
     if node.op != "call_function" or node.target not in _PAD_TARGETS or not node.args or node.args[0] is not norm:
         return None
@@ -881,8 +881,8 @@ def _reflection_pad_applied(node, norm, arguments):
     dtype_name = str(dtype).split(".")[-1]
     if dtype_name not in _EXT.backward_capacities or len(shape) not in (3, 4) or len(pad) != 2 * (len(shape) - 2):
         return None
-    spatial = math.prod(shape[2:])
-    if (not value.is_contiguous() or spatial % (16 // value.element_size())
+    spatial, per_vector = math.prod(shape[2:]), 16 // value.element_size()
+    if (not value.is_contiguous() or spatial % per_vector or shape[-1] + pad[0] + pad[1] < per_vector
             or not _EXT.forward_capacities[dtype_name]["warp_spatial"] < spatial
             <= _EXT.backward_capacities[dtype_name]["block_spatial"]
             or not all(0 <= item < shape[len(shape) - 1 - i // 2] for i, item in enumerate(pad))):

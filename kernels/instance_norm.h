@@ -220,8 +220,8 @@ struct ForwardPlan {
 ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, const ReflectionPad& pad = {});
 
 // Whether `forced` can write y padded by `pad`: contiguous, without a residual or
-// running statistics, where the path is kBlock and runs the problem, or kAuto and
-// the chooser takes the block path. Elsewhere a caller runs the problem without the
+// running statistics, padded rows of one 16-byte vector at least, where the path is
+// kBlock and runs the problem, or kAuto and the chooser takes the block path. Elsewhere a caller runs the problem without the
 // pad and pads y itself. Makes no plan (plans_made does not count it).
 bool forward_pads(const ForwardProblem& problem, const ReflectionPad& pad, ForwardPath forced);
 

@@ -201,27 +201,18 @@ __global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) /
         const auto source_row = [&](int row) { return reflect(row - padding.top, padding.height) * padding.width; };
         const auto source_column = [&](int column) { return reflect(column - padding.left, padding.width); };
         const BlockSpan span = BlockSpan::of(padded_y, padded);
-        // Each block's first (row, column) of the padded slice. Where a padded row
-        // holds a whole block, a block spans two rows at most, whose sources are
-        // found once per block (else per value).
+        // Each block's first (row, column) of the padded slice. A padded row holds a
+        // whole block (forward_pads), so a block spans two rows at most, whose
+        // sources are found once per block.
         RowCursor position(span.lead + static_cast<int>(threadIdx.x) * kPer, THREADS * kPer, width);
         for (int b = threadIdx.x; b < span.blocks; b += THREADS) {
           float values[kPer];
-          if (width >= kPer) {  // uniform
-            int source = source_row(position.row), c = position.column;
-            const int next = source_row(position.row + 1);  // past the slice for its last row: then not used
+          int source = source_row(position.row), c = position.column;
+          const int next = source_row(position.row + 1);  // past the slice for its last row: then not used
 #pragma unroll
-            for (int k = 0; k < kPer; ++k) {
-              values[k] = value_at(source + source_column(c));
-              if (++c == width) c = 0, source = next;
-            }
-          } else {
-            int r = position.row, c = position.column;
-#pragma unroll
-            for (int k = 0; k < kPer; ++k) {
-              values[k] = value_at(source_row(r) + source_column(c));
-              if (++c == width) c = 0, ++r;
-            }
+          for (int k = 0; k < kPer; ++k) {
+            values[k] = value_at(source + source_column(c));
+            if (++c == width) c = 0, source = next;
           }
           store_streaming(reinterpret_cast<uint4*>(padded_y + span.lead + b * kPer), S::pack(values));
           position.advance();
@@ -1140,8 +1131,10 @@ ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, cons
 
 bool forward_pads(const ForwardProblem& p, const ReflectionPad& pad, ForwardPath forced) {
   using namespace forward_detail;
+  // The kernel's store loop takes a 16-byte block over two padded rows at most.
   if (!pad.active() || p.layout != Layout::kContiguous || p.epilogue.residual != nullptr ||
-      p.running_mean != nullptr || p.num_slices() <= 0 || p.spatial <= 0) {
+      p.running_mean != nullptr || p.num_slices() <= 0 || p.spatial <= 0 ||
+      pad.padded_width() < values_per_vector(p.dtype)) {
     return false;
   }
   if (forced == ForwardPath::kBlock) return block_plan(p).valid();

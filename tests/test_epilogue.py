@@ -268,6 +268,8 @@ PAD_FUSION_CASES = {
                          [(None, None, False)]),
     "slices past the backward block path": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1), mode="reflect"),
                                             (128, 160), 0, [(None, None, False)]),
+    "padded rows narrower than a vector": (lambda n: lambda x, r: F.pad(n(x), (1, 0, 1, 1), mode="reflect"),
+                                           (600, 2), 0, [(None, None, False)]),
 }
 
 

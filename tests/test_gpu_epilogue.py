@@ -326,8 +326,9 @@ def test_residual_view_at_an_odd_offset(solution):
 # asymmetric pads, a height of 3 whose middle row both pads reflect (9 padded values
 # hold one value at its corners), 1D; all on the block paths.
 # Padded slices of every offset within 16 bytes: (2, 3, 33, 40) padded to 35 x 43 (odd).
-# Padded rows narrower than a 16-bit vector (3 wide, padded to 5): a 16-byte block and a
-# vector span three rows.
+# Padded rows narrower than a 16-bit vector (3 wide, padded to 5): the backward's vectors
+# span three rows; the 16-bit forward pads by PyTorch's op (forward_pads), the fp32 one
+# by the kernel (a block over two rows).
 PAD_CASES = (((2, 8, 48, 40), (1, 1, 1, 1)), ((3, 4, 36, 50), (2, 0, 3, 1)), ((1, 2, 3, 520), (2, 2, 2, 2)),
              ((2, 4, 2048), (5, 3)), ((2, 3, 33, 40), (1, 2, 1, 1)), ((2, 3, 40, 3), (1, 1, 1, 1)))
 PAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

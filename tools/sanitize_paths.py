@@ -19,7 +19,7 @@ per-channel weight; and the block paths' reflection-padded kernels (PAD_CASES: 1
 2D, asymmetric pads, a 3-row slice whose middle row both pads reflect, 128-thread
 and 512-thread backward CTAs, the latter with 64 KB of padded gradient in shared
 memory, padded slices at every offset within 16 bytes, padded rows narrower than a
-16-bit vector), checked against F.pad of
+16-bit vector, which only the backward's kernel takes), checked against F.pad of
 the reference and the generic path's gradient.
 The block path's extra M2 sweep runs on the slices whose first value lies over 2
 standard deviations from their mean, about 5% of these random ones. Exits 1 if any
