@@ -370,7 +370,11 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     is applied: "relu", "leaky_relu" (with negative_slope), "silu", "gelu" (erf
     form) or "gelu_tanh" (tanh form), as torch.nn.functional defines them. So
     instance_norm(x, ..., activation="relu", residual=r) equals
-    F.relu(F.instance_norm(x, ...) + r).
+    F.relu(F.instance_norm(x, ...) + r). With reflection_pad, residual may instead
+    have the padded shape, without an activation: it is then added after the pad,
+    F.pad(F.instance_norm(x, ...), reflection_pad, mode="reflect") + r. A residual
+    block whose sum is padded again by the next block can keep its sums padded
+    that way, one kernel a layer (the compile rewrite does this for CycleGAN's).
 
     reflection_pad, a sequence of 2 ints per spatial dim in F.pad's order (the last
     dim's left and right first), each >= 0 and less than the size of the dim it
@@ -378,8 +382,9 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     ReflectionPad1d/2d/3d) does; the result is then contiguous. The forward kernel
     writes the padded output and the backward kernel reads the padded gradient
     where the slices take the block paths (contiguous 1D and 2D input without a
-    residual: up to 16,384 fp32 or 32,768 16-bit values a slice); elsewhere PyTorch's
-    pad runs after the kernels and its backward before them.
+    residual or with one of the padded shape: up to 16,384 fp32 or 32,768 16-bit
+    values a slice); elsewhere PyTorch's pad runs after the kernels and its backward
+    before them.
 
     CUDA float32, float16 and bfloat16 run the CUDA kernels; CPU and float64
     inputs, and all inputs when the extension is not built (no GPU visible), run
@@ -390,9 +395,10 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     non-tensor or non-floating input or parameter, ValueError for fewer than 3 dims,
     a single spatial element with use_input_stats, missing running statistics with
     use_input_stats=False, a weight, bias or running buffer of the wrong size or
-    device, an unknown activation, a residual of another shape or device
-    (TypeError for another dtype), or a reflection_pad of the wrong length or a
-    value out of range (TypeError for a non-integer one).
+    device, an unknown activation, a reflection_pad of the wrong length or a value
+    out of range (TypeError for a non-integer one), or a residual of another shape
+    or device, or of the padded shape with an activation (TypeError for another
+    dtype).
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"instance_norm: input must be a torch.Tensor, got {type(input).__name__}")
@@ -453,11 +459,13 @@ def _front_python(input, running_mean, running_var, weight, bias, use_input_stat
     """The extension's front for CPU and float64 inputs, in Python, for when the
     extension is not built: the same checks and errors (_check_front_arguments),
     then PyTorch's instance_norm (running statistics updated in place as there),
-    the epilogue act(y + residual) and the reflection pad as PyTorch ops, with
-    PyTorch's autograd."""
+    the epilogue act(y + residual) and the reflection pad as PyTorch ops (a residual
+    of the padded shape added after the pad), with PyTorch's autograd."""
     _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual,
                            reflection_pad)
     y = torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, False)
+    if residual is not None and residual.shape != input.shape:  # of the padded shape: added after the pad
+        return F.pad(y, reflection_pad, mode="reflect") + residual
     y = _apply_activation(y if residual is None else y + residual, activation, negative_slope)
     return F.pad(y, reflection_pad, mode="reflect") if reflection_pad else y
 
@@ -497,13 +505,14 @@ def _check_channel_tensor(name, value, input):
 def _check_front_arguments(input, running_mean, running_var, weight, bias, use_input_stats, activation, residual,
                            reflection_pad):
     """The extension front's checks of its arguments (check_arguments, activation_code,
-    the residual's and check_reflection_pad in kernels/instance_norm_entry.cpp), in
+    check_reflection_pad and check_residual in kernels/instance_norm_entry.cpp), in
     its order and with its messages: TypeError for a non-floating input or parameter
     or a residual of another dtype; ValueError for fewer than 3 dims, a parameter or
     buffer of the wrong size or device, running_mean without running_var (or the
     reverse), a single spatial element with use_input_stats, no running statistics
-    without it, an unknown activation, a residual of another shape or device, a
-    reflection_pad (a tuple of ints or None) of the wrong length or out of range."""
+    without it, an unknown activation, a reflection_pad (a tuple of ints or None) of
+    the wrong length or out of range, a residual of another shape or device, or of
+    the padded shape with an activation."""
     if not input.is_floating_point():
         raise TypeError(f"instance_norm: input must be a floating-point tensor, got {_scalar_type_name(input.dtype)}")
     if input.dim() < 3:
@@ -521,15 +530,6 @@ def _check_front_arguments(input, running_mean, running_var, weight, bias, use_i
     if activation is not None and activation not in ACTIVATIONS and activation != "none":
         raise ValueError("instance_norm: activation must be None, 'relu', 'leaky_relu', 'silu', 'gelu' or "
                          f"'gelu_tanh', got '{activation}'")
-    if residual is not None and residual.dtype != input.dtype:
-        raise TypeError(f"instance_norm: residual must have the input's dtype {_scalar_type_name(input.dtype)}, "
-                        f"got {_scalar_type_name(residual.dtype)}")
-    if residual is not None and residual.shape != input.shape:
-        raise ValueError(f"instance_norm: residual must have the input's shape {list(input.shape)}, "
-                         f"got {list(residual.shape)}")
-    if residual is not None and residual.device != input.device:
-        raise ValueError(f"instance_norm: residual must be on the input's device {input.device}, "
-                         f"got {residual.device}")
     if reflection_pad:
         spatial_dims = input.dim() - 2
         if spatial_dims > 3:
@@ -542,6 +542,28 @@ def _check_front_arguments(input, running_mean, running_var, weight, bias, use_i
             if not 0 <= value < input.shape[dim]:
                 raise ValueError("instance_norm: reflection_pad values must be >= 0 and less than the size of the "
                                  f"dim they pad, got {value} for dim {dim} of size {input.shape[dim]}")
+    if residual is not None:
+        _check_residual(input, activation, residual, reflection_pad)
+
+
+def _check_residual(input, activation, residual, reflection_pad):
+    """The front's checks of a residual (check_residual in kernels/instance_norm_entry.cpp):
+    the input's dtype (TypeError), device and shape, or with reflection_pad the padded
+    shape, which takes no activation (ValueError)."""
+    if residual.dtype != input.dtype:
+        raise TypeError(f"instance_norm: residual must have the input's dtype {_scalar_type_name(input.dtype)}, "
+                        f"got {_scalar_type_name(residual.dtype)}")
+    padded = _padded_shape(input.shape, reflection_pad) if reflection_pad else None
+    if residual.shape != input.shape and list(residual.shape) != padded:
+        also = f" or the padded shape {padded}" if padded else ""
+        raise ValueError(f"instance_norm: residual must have the input's shape {list(input.shape)}{also}, "
+                         f"got {list(residual.shape)}")
+    if residual.shape != input.shape and activation not in (None, "none"):
+        raise ValueError("instance_norm: a residual of the padded shape is added after the pad and takes no "
+                         f"activation, got activation '{activation}'")
+    if residual.device != input.device:
+        raise ValueError(f"instance_norm: residual must be on the input's device {input.device}, "
+                         f"got {residual.device}")
 
 
 # PyTorch's norms take (and print) a `bias` keyword from torch 2.14 on; the repr
@@ -785,7 +807,8 @@ def convert_instance_norm(module, fuse_activations=True, fuse_padding=True):
 # the residual add and the reflection pad that follow our norm into its epilogue:
 # F.relu(norm(x)), norm(x) + r and F.pad(norm(x), p, "reflect") become one
 # instance_norm_cuda::instance_norm call, forward and backward, as inductor fuses
-# PyTorch's own norm with them. Pre-grad graphs are not
+# PyTorch's own norm with them; a residual sum that the next block both pads and adds
+# stays padded (_pad_kept_for_users). Pre-grad graphs are not
 # functional, so the rewrite fires only where it cannot change what the graph
 # computes: the norm's output has that one user, the added tensor has the output's
 # shape, dtype and device (no broadcast, no type promotion), and no node between
@@ -957,6 +980,50 @@ def _absorb_user(graph, norm, arguments):
     return node
 
 
+def _pad_kept_for_users(graph, norm, arguments, crops):
+    """Where a reflection pad the kernels take (_reflection_pad_applied, the residual
+    aside) is one of several users of FX node `norm` (a front call whose arguments by
+    name are `arguments`), e.g. the sum of a residual block that the next block both
+    pads and adds: replaces norm by a front call that writes the padded output
+    (reflection_pad=), which the pad's users take, and gives norm's other users a crop
+    of it (a view). A residual that is such a crop (`crops`: {crop node: (padded node,
+    pad)}) with the same pad is read padded instead (added after the pad, no
+    activation), so a chain of residual blocks keeps its sums padded. The other users
+    must be adds or front calls (none writes in place into the shared storage).
+    Records the new crop in `crops`; returns the new node, or None."""
+    unpadded = dict(arguments, residual=None)
+    pads = [user for user in norm.users if _reflection_pad_applied(user, norm, unpadded) is not None]
+    others = [user for user in norm.users if user not in pads]
+    residual = arguments["residual"]
+    if (len(pads) != 1 or arguments["reflection_pad"] is not None
+            or not all(user.target in _FRONT_TARGETS or _tensor_added(user, norm) is not None for user in others)):
+        return None
+    (pad_node,) = pads
+    pad = _reflection_pad_applied(pad_node, norm, unpadded)
+    if residual is not None and (crops.get(residual, (None, None))[1] != pad or arguments["activation"] is not None):
+        return None
+    fused = dict(arguments, reflection_pad=pad, residual=None if residual is None else crops[residual][0])
+    padded_value = pad_node.meta["example_value"]
+    with graph.inserting_before(norm):
+        node = graph.call_function(_instance_norm_op, tuple(fused[name] for name in _FRONT_ARGUMENTS))
+        node.meta = dict(norm.meta, example_value=padded_value)
+        if others:
+            shape = norm.meta["example_value"].shape
+            window = tuple(slice(pad[2 * i], pad[2 * i] + shape[-1 - i]) for i in reversed(range(len(pad) // 2)))
+            crop = graph.call_function(operator.getitem, (node, (slice(None), slice(None), *window)))
+            with padded_value.fake_mode:
+                crop.meta = dict(norm.meta, example_value=padded_value[(slice(None), slice(None), *window)])
+            crops[crop] = (node, pad)
+            norm.replace_all_uses_with(crop)
+    pad_node.replace_all_uses_with(node)
+    graph.erase_node(pad_node)
+    graph.erase_node(norm)
+    if residual is not None and not residual.users:
+        graph.erase_node(residual)
+        del crops[residual]
+    return node
+
+
 class _DroppedBias(torch.autograd.Function):
     """What _drop_convolution_bias puts between a convolution whose bias it dropped and
     the norm after it: forward, x itself (autograd makes the output a view of x, no
@@ -1012,7 +1079,7 @@ def _fuse_epilogues(graph):
     activation=, residual=, reflection_pad=) defines them, and the bias of the
     convolution before it is dropped where the norm removes it (_drop_convolution_bias).
     Returns the number of activations, adds, pads and biases folded."""
-    folded = 0
+    folded, crops = 0, {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _FRONT_TARGETS:
             continue
@@ -1023,7 +1090,10 @@ def _fuse_epilogues(graph):
                 break
             node, folded = fused, folded + 1
             arguments = dict(zip(_FRONT_ARGUMENTS, node.args))
-        folded += _drop_convolution_bias(graph, node, arguments)
+        if _drop_convolution_bias(graph, node, arguments):  # the norm's input is now the _DroppedBias node
+            folded += 1
+            arguments = dict(_FRONT_DEFAULTS, **dict(zip(_FRONT_ARGUMENTS, node.args)), **node.kwargs)
+        folded += _pad_kept_for_users(graph, node, arguments, crops) is not None
     return folded
 
 
@@ -1067,8 +1137,8 @@ def _merge_zero_gradients(graph):
 def _fusion_fingerprint():
     """What identifies the rewrites for inductor's cache: their code and whether they are on."""
     functions = (_fuse_epilogues, _absorb_user, _activation_applied, _tensor_added, _reflection_pad_applied,
-                 _static_tensor_type, _may_mutate, _movable_to, _drop_convolution_bias, _DroppedBias.forward,
-                 _DroppedBias.backward, _merge_zero_gradients)
+                 _static_tensor_type, _may_mutate, _movable_to, _drop_convolution_bias, _pad_kept_for_users,
+                 _DroppedBias.forward, _DroppedBias.backward, _merge_zero_gradients)
     code = repr([(f.__code__.co_code, f.__code__.co_consts, f.__code__.co_names) for f in functions])
     return hashlib.sha256(f"{code}{_COMPILE_FUSION['enabled']}".encode()).hexdigest()
 

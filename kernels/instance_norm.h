@@ -89,7 +89,9 @@ struct Epilogue {
   Activation activation;  // kNone by zero-initialization
   float negative_slope;   // kLeakyRelu only
   // Added before the activation: the same shape, dtype and layout as x, 16-byte
-  // aligned, device memory; or nullptr.
+  // aligned, device memory; or nullptr. In a forward that writes y padded
+  // (forward_pads), y's padded shape instead, contiguous, added at each padded
+  // value's position, without an activation.
   const void* residual;
 
   __host__ __device__ bool active() const { return activation != Activation::kNone || residual != nullptr; }
@@ -103,7 +105,8 @@ struct Epilogue {
 // forward, y is the padded output: (batch, num_channels, padded_spatial()); in the
 // backward, dy is the padded gradient and each value's gradient is the sum of the
 // padded values that hold it (up to 9). Zero-initialized: no pad. Only the block
-// paths take it, contiguous and without a residual (forward_pads, backward_pads),
+// paths take it, contiguous, without a residual or (forward) with one of the padded
+// shape (forward_pads, backward_pads),
 // in kernels of their own that take it as a second parameter: a field of the
 // problems would change every other kernel's machine code (docs/perf-notes.md #161).
 struct ReflectionPad {
@@ -219,8 +222,9 @@ struct ForwardPlan {
 // With an active `pad`, the plan writes y padded (forward_pads; else the plan is invalid).
 ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, const ReflectionPad& pad = {});
 
-// Whether `forced` can write y padded by `pad`: contiguous, without a residual or
-// running statistics, padded rows of one 16-byte vector at least, where the path is
+// Whether `forced` can write y padded by `pad`: contiguous, without running
+// statistics, without a residual or with one of the padded shape and no activation,
+// padded rows of one 16-byte vector at least, where the path is
 // kBlock and runs the problem, or kAuto and the chooser takes the block path. Elsewhere a caller runs the problem without the
 // pad and pads y itself. Makes no plan (plans_made does not count it).
 bool forward_pads(const ForwardProblem& problem, const ReflectionPad& pad, ForwardPath forced);

@@ -182,7 +182,9 @@ void check_reflection_pad(const at::Tensor& input, c10::IntArrayRef pad) {
 
 // The epilogue's arguments as the inner ops take them: the activation's code
 // (instance_norm::Activation), LeakyReLU's negative slope, the residual, and the
-// reflection pad of the output (empty: none; see check_reflection_pad).
+// reflection pad of the output (empty: none; see check_reflection_pad). The residual
+// has the input's shape (added before the pad), or with a pad the padded shape
+// (residual_after_pad: added after the pad, without an activation).
 struct EpilogueArgs {
   int64_t activation;
   double negative_slope;
@@ -190,10 +192,39 @@ struct EpilogueArgs {
   std::vector<int64_t> reflection_pad;
 };
 
+// Whether the epilogue's residual is added after its reflection pad: it has the
+// padded shape, not x's (the front checks that it has one of the two).
+bool residual_after_pad(const EpilogueArgs& epilogue, const at::Tensor& x) {
+  return epilogue.residual && !epilogue.reflection_pad.empty() && epilogue.residual->sym_sizes() != x.sym_sizes();
+}
+
 // The activation names of the front (PyTorch's functional names; "gelu_tanh" is
 // F.gelu(approximate="tanh")), indexed by instance_norm::Activation.
 constexpr const char* kActivationNames[instance_norm::kNumActivations] = {"none",  "relu", "leaky_relu",
                                                                          "silu", "gelu", "gelu_tanh"};
+
+// The front's checks of a residual: the input's dtype, shape and device; with a
+// reflection pad the padded shape instead, which takes no activation (the residual
+// is then added after the pad).
+void check_residual(const at::Tensor& residual, const at::Tensor& input, int64_t activation,
+                    c10::IntArrayRef pad) {
+  TORCH_CHECK_TYPE(residual.scalar_type() == input.scalar_type(), "instance_norm: residual must have the input's "
+                   "dtype ", input.scalar_type(), ", got ", residual.scalar_type());
+  std::vector<c10::SymInt> padded = input.sym_sizes().vec();
+  for (size_t i = 0; i < pad.size(); ++i) padded[padded.size() - 1 - i / 2] += pad[i];
+  std::string padded_text = "[";
+  for (size_t d = 0; d < padded.size(); ++d) padded_text += (d ? ", " : "") + text(padded[d]);
+  padded_text += "]";
+  const bool padded_shape = !pad.empty() && residual.sym_sizes() != input.sym_sizes() &&
+                            residual.sym_sizes() == c10::SymIntArrayRef(padded);
+  TORCH_CHECK_VALUE(residual.sym_sizes() == input.sym_sizes() || padded_shape, "instance_norm: residual must have "
+                    "the input's shape ", sizes_text(input), pad.empty() ? "" : " or the padded shape " + padded_text,
+                    ", got ", sizes_text(residual));
+  TORCH_CHECK_VALUE(!padded_shape || activation == 0, "instance_norm: a residual of the padded shape is added after "
+                    "the pad and takes no activation, got activation '", kActivationNames[activation], "'");
+  TORCH_CHECK_VALUE(residual.device() == input.device(), "instance_norm: residual must be on the input's device ",
+                    input.device(), ", got ", residual.device());
+}
 
 // Typed handles of the ops, looked up once.
 using ForwardSignature = TensorPair(const at::Tensor&, const std::optional<at::Tensor>&,
@@ -305,6 +336,14 @@ at::Tensor reflection_padded(const at::Tensor& y, c10::IntArrayRef pad) {
   return pad.empty() ? y : at::pad(y, pad, "reflect");
 }
 
+// The normalized y (x's shape) through the epilogue and the pad by PyTorch's ops:
+// act(y + residual) padded, or where the residual has the padded shape, the padded
+// y plus the residual (residual_after_pad; no activation then).
+at::Tensor epilogue_and_pad_aten(const at::Tensor& y, const EpilogueArgs& epilogue) {
+  if (residual_after_pad(epilogue, y)) return reflection_padded(y, epilogue.reflection_pad) + *epilogue.residual;
+  return reflection_padded(apply_epilogue_aten(y, epilogue), epilogue.reflection_pad);
+}
+
 // The gradient of `input` from `grad`, the gradient of input reflection-padded by
 // `pad` (empty: grad itself), by PyTorch's pad backward ops.
 at::Tensor reflection_pad_gradient(const at::Tensor& grad, const at::Tensor& input, c10::IntArrayRef pad) {
@@ -331,22 +370,13 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
                  const std::optional<c10::string_view>& activation, double negative_slope,
                  const std::optional<at::Tensor>& residual, c10::IntArrayRef reflection_pad, bool eager) {
   check_arguments(input, running_mean, running_var, weight, bias, use_input_stats);
-  EpilogueArgs epilogue{activation_code(activation), negative_slope, residual};
-  if (residual) {
-    TORCH_CHECK_TYPE(residual->scalar_type() == input.scalar_type(), "instance_norm: residual must have the input's "
-                     "dtype ", input.scalar_type(), ", got ", residual->scalar_type());
-    TORCH_CHECK_VALUE(residual->sym_sizes() == input.sym_sizes(), "instance_norm: residual must have the input's "
-                      "shape ", sizes_text(input), ", got ", sizes_text(*residual));
-    TORCH_CHECK_VALUE(residual->device() == input.device(), "instance_norm: residual must be on the input's device ",
-                      input.device(), ", got ", residual->device());
-  }
+  EpilogueArgs epilogue{activation_code(activation), negative_slope, residual, reflection_pad.vec()};
   check_reflection_pad(input, reflection_pad);
+  if (residual) check_residual(*residual, input, epilogue.activation, reflection_pad);
   if (!input.is_cuda() || !kernel_dtype(input.scalar_type())) {
-    return reflection_padded(
-        apply_epilogue_aten(at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats,
-                                              momentum, eps, /*cudnn_enabled=*/false),
-                            epilogue),
-        reflection_pad);
+    return epilogue_and_pad_aten(at::instance_norm(input, weight, bias, running_mean, running_var, use_input_stats,
+                                                   momentum, eps, /*cudnn_enabled=*/false),
+                                 epilogue);
   }
   TORCH_CHECK(eps >= 0.0, "instance_norm: eps must be >= 0, got ", text(eps));
   // The kernels have no forward-mode derivative: a dual tensor's tangent would be
@@ -358,17 +388,19 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
   TORCH_CHECK(!input._fw_grad(/*level=*/0).defined(),
               "instance_norm: forward-mode AD is not supported on CUDA float32/float16/bfloat16 inputs");
   const at::Tensor x = readable(input);
-  if (residual) epilogue.residual = like_layout(*residual, x);
+  const bool after_pad = residual_after_pad(epilogue, input);
+  if (residual) epilogue.residual = after_pad ? residual->contiguous() : like_layout(*residual, x);
   const std::optional<at::Tensor>& r = epilogue.residual;
   if (!use_input_stats) {
-    return reflection_padded(forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps,
-                                                    epilogue.activation, negative_slope, r),
-                             reflection_pad);
+    const at::Tensor y = forward_eval_op().call(x, *running_mean, *running_var, weight, bias, eps,
+                                                epilogue.activation, negative_slope, after_pad ? std::nullopt : r);
+    return after_pad ? reflection_padded(y, reflection_pad) + *r : reflection_padded(y, reflection_pad);
   }
-  // The ops take the pad (one op and one autograd node for the layer); with a
-  // residual it stays PyTorch's op after them, whose autograd gives the residual its
-  // unpadded gradient.
-  if (!r) epilogue.reflection_pad = reflection_pad.vec();
+  // The ops take the pad (one op and one autograd node for the layer), and a residual
+  // added after it; a residual of the input's shape leaves the pad to PyTorch's op
+  // after them, whose autograd gives the residual its unpadded gradient.
+  const bool op_pads = !r || after_pad;
+  if (!op_pads) epilogue.reflection_pad.clear();
   const c10::IntArrayRef op_pad = epilogue.reflection_pad;
   const std::optional<bool> direct = eager ? direct_route({&x}, {&weight, &bias, &r}) : std::nullopt;
   TensorPair out;
@@ -390,7 +422,7 @@ at::Tensor front(const at::Tensor& input, const std::optional<at::Tensor>& runni
   if (running_mean.has_value()) {
     update_running_stats_op().call(*running_mean, *running_var, x, std::get<1>(out), momentum, eps);
   }
-  return r ? reflection_padded(std::get<0>(out), reflection_pad) : std::get<0>(out);
+  return op_pads ? std::get<0>(out) : reflection_padded(std::get<0>(out), reflection_pad);
 }
 
 // The op instance_norm_cuda::instance_norm, registered as CompositeImplicitAutograd:
@@ -558,7 +590,9 @@ auto make_node() {
 class InstanceNormBackward : public torch::autograd::Node {
  public:
   torch::autograd::SavedVariable input, weight, stats;
-  // Saved only with an activation, where the backward recomputes the pre-activation.
+  // Saved only with an activation, where the backward recomputes the pre-activation;
+  // the residual also where it is added after the pad: its shape tells that its
+  // gradient is the padded dy (residual_after_pad).
   torch::autograd::SavedVariable bias, residual;
   int64_t activation = 0;
   double negative_slope = 0.0;
@@ -646,18 +680,22 @@ class InstanceNormBackward : public torch::autograd::Node {
     const at::Tensor grad_output = like_layout(grads[0], saved.input);
     // Without a parameter that needs them (none given, or frozen), the kernel skips
     // the per-channel reductions.
+    const EpilogueArgs epilogue{saved.activation, saved.negative_slope, defined_or_none(saved.residual),
+                                saved.reflection_pad};
     auto [grad_input, grad_parameters, grad_residual] =
         run_backward(grad_output, saved.input, saved.stats, defined_or_none(saved.weight),
-                     defined_or_none(saved.bias),
-                     {saved.activation, saved.negative_slope, defined_or_none(saved.residual), saved.reflection_pad},
-                     saved.needs(1) || saved.needs(2));
+                     defined_or_none(saved.bias), epilogue, saved.needs(1) || saved.needs(2));
     if (saved.needs(0)) out[0] = grad_input;
     if (saved.needs(1)) out[1] = grad_parameters[0].to(saved.weight.scalar_type());
     if (saved.needs(2)) out[2] = grad_parameters[1].to(static_cast<at::ScalarType>(saved.bias_dtype));
-    // Without an activation the residual's gradient is dy itself (unpadded).
-    if (saved.needs(3)) {
-      out[3] = saved.activation != 0 ? grad_residual
-                                     : reflection_pad_gradient(grad_output, saved.input, saved.reflection_pad);
+    // Without an activation the residual's gradient is dy itself: unpadded for one of
+    // the input's shape, as it is for one added after the pad.
+    if (saved.needs(3) && saved.activation != 0) {
+      out[3] = grad_residual;
+    } else if (saved.needs(3)) {
+      out[3] = residual_after_pad(epilogue, saved.input)
+                   ? grad_output
+                   : reflection_pad_gradient(grad_output, saved.input, saved.reflection_pad);
     }
     return out;
   }
@@ -687,8 +725,8 @@ void attach_backward(const TensorPair& forward_out, const at::Tensor& input, con
   node->input = torch::autograd::SavedVariable(input, false);
   node->weight = torch::autograd::SavedVariable(weight, false);
   node->stats = torch::autograd::SavedVariable(std::get<1>(forward_out), false);
-  if (epilogue.activation != 0) {
-    node->bias = torch::autograd::SavedVariable(bias, false);
+  if (epilogue.activation != 0) node->bias = torch::autograd::SavedVariable(bias, false);
+  if (epilogue.activation != 0 || residual_after_pad(epilogue, input)) {
     node->residual = torch::autograd::SavedVariable(epilogue.residual, false);
   }
   node->activation = epilogue.activation;
@@ -961,11 +999,19 @@ void run_forward(const at::Tensor& x, const at::Tensor& output, instance_norm::F
   C10_CUDA_CHECK(instance_norm::forward(problem, plan, current_stream(x.device())));
 }
 
+// x's sizes with the spatial dims padded by `pad` (its values in F.pad order).
+std::vector<int64_t> padded_sizes(const at::Tensor& x, c10::IntArrayRef pad) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  for (size_t i = 0; i < pad.size(); ++i) sizes[sizes.size() - 1 - i / 2] += pad[i];
+  return sizes;
+}
+
 // The kernels' Epilogue from the ops' arguments. The residual must have x's sizes,
-// strides, dtype and device (the front makes it so; an internal invariant of the
-// ops, checked for direct calls). The kernels read it in 16-byte vectors: one at
-// another alignment (a view at an odd offset) is copied into `aligned`, which the
-// caller keeps alive over the launch. That copy is made here, on real tensors,
+// strides, dtype and device, or be added after the pad (residual_after_pad):
+// contiguous, of the padded shape, without an activation (the front makes it so;
+// an internal invariant of the ops, checked for direct calls). The kernels read it
+// in 16-byte vectors: one at another alignment (a view at an odd offset) is copied
+// into `aligned`, which the caller keeps alive over the launch. That copy is made here, on real tensors,
 // because the front cannot see addresses while torch.compile traces it.
 instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tensor& x, at::Tensor& aligned) {
   TORCH_CHECK(args.activation >= 0 && args.activation < instance_norm::kNumActivations,
@@ -975,9 +1021,13 @@ instance_norm::Epilogue kernel_epilogue(const EpilogueArgs& args, const at::Tens
   epilogue.negative_slope = static_cast<float>(args.negative_slope);
   if (args.residual) {
     const at::Tensor& r = *args.residual;
-    TORCH_CHECK(r.sizes() == x.sizes() && r.strides() == x.strides() && r.scalar_type() == x.scalar_type() &&
-                    r.device() == x.device(),
-                "residual must have the input's shape, strides, dtype and device");
+    const bool layout = residual_after_pad(args, x)
+                            ? r.sizes() == padded_sizes(x, args.reflection_pad) && r.is_contiguous() &&
+                                  args.activation == 0
+                            : r.sizes() == x.sizes() && r.strides() == x.strides();
+    TORCH_CHECK(layout && r.scalar_type() == x.scalar_type() && r.device() == x.device(),
+                "residual must have the input's shape, strides, dtype and device, or be contiguous of the padded "
+                "shape without an activation");
     aligned = reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0 ? r : r.clone(at::MemoryFormat::Preserve);
     epilogue.residual = aligned.data_ptr();
   }
@@ -993,13 +1043,6 @@ instance_norm::ReflectionPad kernel_pad_of(const at::Tensor& x, c10::IntArrayRef
   return {static_cast<int>(x.size(2)), static_cast<int>(x.size(3)), value(2), value(3), value(0), value(1)};
 }
 
-// x's sizes with the spatial dims padded by `pad` (its values in F.pad order).
-std::vector<int64_t> padded_sizes(const at::Tensor& x, c10::IntArrayRef pad) {
-  std::vector<int64_t> sizes = x.sizes().vec();
-  for (size_t i = 0; i < pad.size(); ++i) sizes[sizes.size() - 1 - i / 2] += pad[i];
-  return sizes;
-}
-
 // The reflection pad the forward kernels write for this call on `path`
 // (instance_norm::forward_pads; inactive where they do not: the caller pads y).
 // epilogue.reflection_pad is checked (check_reflection_pad) or empty.
@@ -1009,7 +1052,11 @@ instance_norm::ReflectionPad kernel_reflection_pad(const at::Tensor& x, instance
   if (!kernel_pad.active()) return {};
   const ForwardParameters none(std::nullopt, std::nullopt, x);
   instance_norm::ForwardProblem problem = make_problem(x, layout, none, 0.0);
-  problem.epilogue.residual = epilogue.residual ? x.data_ptr() : nullptr;  // only whether there is one counts
+  // Only whether there is a residual counts, and the activation; one of x's shape is
+  // added before the pad, which the kernels do not take.
+  if (epilogue.residual && !residual_after_pad(epilogue, x)) return {};
+  problem.epilogue.residual = epilogue.residual ? x.data_ptr() : nullptr;
+  problem.epilogue.activation = static_cast<instance_norm::Activation>(epilogue.activation);
   return instance_norm::forward_pads(problem, kernel_pad, path) ? kernel_pad : instance_norm::ReflectionPad{};
 }
 
@@ -1018,7 +1065,8 @@ instance_norm::ReflectionPad kernel_reflection_pad(const at::Tensor& x, instance
 // take see it land there; padded where the kernels write the pad), weight and bias
 // as the kernels read them (kept alive here), and the problem pointing at them. x is
 // checked first, before anything is allocated; members are initialized in this
-// order.
+// order. A residual added after the pad (residual_after_pad) is added by the kernels
+// where they write the pad, else by result().
 struct ForwardCall {
   instance_norm::Layout layout;
   instance_norm::ReflectionPad pad;
@@ -1026,6 +1074,7 @@ struct ForwardCall {
   ForwardParameters parameters;
   at::Tensor residual;  // the epilogue's residual as the kernels read it (see kernel_epilogue)
   instance_norm::ForwardProblem problem;
+  std::optional<at::Tensor> residual_after;  // added to the padded output by result()
 
   ForwardCall(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
               double eps, const EpilogueArgs& epilogue, instance_norm::ForwardPath path)
@@ -1035,12 +1084,20 @@ struct ForwardCall {
                             : dense_like(x)),
         parameters(weight, bias, x),
         problem(make_problem(x, layout, parameters, eps)) {
-    problem.epilogue = kernel_epilogue(epilogue, x, residual);
+    if (residual_after_pad(epilogue, x) && !pad.active()) {
+      residual_after = epilogue.residual;
+      problem.epilogue = kernel_epilogue({epilogue.activation, epilogue.negative_slope}, x, residual);
+    } else {
+      problem.epilogue = kernel_epilogue(epilogue, x, residual);
+    }
   }
 
-  // The output as the op returns it: padded by PyTorch's op where the kernels did not.
+  // The output as the op returns it: padded by PyTorch's op where the kernels did
+  // not, then plus a residual added after the pad that they did not add.
   at::Tensor result(const EpilogueArgs& epilogue) const {
-    return pad.active() ? output : reflection_padded(output, epilogue.reflection_pad);
+    if (pad.active()) return output;
+    const at::Tensor padded = reflection_padded(output, epilogue.reflection_pad);  // a new tensor: ours to add to
+    return residual_after ? padded.add_(*residual_after) : padded;
   }
 };
 
@@ -1203,7 +1260,10 @@ TensorTriple backward_impl(const at::Tensor& grad_output, const at::Tensor& inpu
   problem.mean = mean;
   problem.rstd = rstd;
   at::Tensor residual;  // kept alive over the launch (see kernel_epilogue)
-  problem.epilogue = kernel_epilogue(epilogue, input, residual);
+  // A residual added after the pad comes without an activation: nothing here reads it.
+  problem.epilogue = residual_after_pad(epilogue, input)
+                         ? kernel_epilogue({epilogue.activation, epilogue.negative_slope}, input, residual)
+                         : kernel_epilogue(epilogue, input, residual);
   problem.bias = bias_f32 ? bias_f32->data_ptr<float>() : nullptr;
   problem.grad_residual = grad_residual.defined() ? grad_residual.data_ptr() : nullptr;
   problem.dx = grad_input.data_ptr();  // before planning: the path may depend on dx's alignment
@@ -1251,7 +1311,7 @@ TensorTriple backward_cuda(const at::Tensor& grad_output, const at::Tensor& inpu
 // ---------------------------------------------------------------------------
 
 // The epilogue of a test call: activation by its front name, the residual in the
-// input's layout (the ops align it).
+// input's layout (the ops align it), or contiguous where it has the padded shape.
 EpilogueArgs test_epilogue(const at::Tensor& input, const std::optional<std::string>& activation,
                            double negative_slope, const std::optional<at::Tensor>& residual,
                            const std::vector<int64_t>& reflection_pad) {
@@ -1259,7 +1319,10 @@ EpilogueArgs test_epilogue(const at::Tensor& input, const std::optional<std::str
       activation ? std::optional<c10::string_view>(*activation) : std::nullopt;
   check_reflection_pad(input, reflection_pad);
   return {activation_code(name), negative_slope,
-          residual ? std::optional<at::Tensor>(like_layout(*residual, input)) : std::nullopt, reflection_pad};
+          residual ? std::optional<at::Tensor>(residual->sizes() == input.sizes() ? like_layout(*residual, input)
+                                                                                  : residual->contiguous())
+                   : std::nullopt,
+          reflection_pad};
 }
 
 TensorPair forward_with_stats(const at::Tensor& input, const std::optional<at::Tensor>& weight,

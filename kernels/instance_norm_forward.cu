@@ -109,9 +109,10 @@ __device__ __forceinline__ bool shifted_sums_m2_is_accurate(float mean_d, float 
 // the padded kernels get 1536 / THREADS, 40 registers, which their store loop's
 // positions need (at 32 the 16-bit ones spill).
 // Grid-stride over slices, any alignment and GPU. Pad: empty, or ReflectionPad, the
-// padded kernel (forward_pads: no residual), whose y is the slices padded by `pad`,
-// each value from its reflected source in shared memory, 16-byte stores where the
-// padded slice's 16-byte blocks lie wholly inside it. The pad
+// padded kernel (forward_pads), whose y is the slices padded by `pad`, each value
+// from its reflected source in shared memory, plus the residual's value at its own
+// position where the residual has the padded shape (no activation then), 16-byte
+// stores where the padded slice's 16-byte blocks lie wholly inside it. The pad
 // is an optional trailing parameter, not a field of the problem nor an argument of
 // a shared body, so that the plain kernels keep their machine code (both moved
 // ptxas's output, docs/perf-notes.md #161).
@@ -188,10 +189,14 @@ __global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) /
       const ReflectionPad padding{pad...};
       const int width = padding.padded_width(), padded = static_cast<int>(padding.padded_spatial());
       T* const padded_y = static_cast<T*>(p.y) + slice * padded;
-      // One loop per activation (no residual: forward_pads), chosen once per slice:
-      // 16-byte stores of the padded slice's aligned 16-byte blocks, scalar ones of
-      // the values before the first and after the last.
-      const auto store = [&](auto activation) {
+      // One loop per activation, chosen once per slice, and one with a residual of the
+      // padded shape (forward_pads: then without an activation), added at each padded
+      // value's own position: 16-byte stores of the padded slice's aligned 16-byte
+      // blocks, scalar ones of the values before the first and after the last.
+      const auto store = [&](auto activation, auto with_residual) {
+        constexpr bool kResidual = decltype(with_residual)::value;
+        static_assert(!kResidual || decltype(activation)::value == Activation::kNone,
+                      "a padded residual comes without an activation");
         // The padded output of the slice's value `source`, and the sources of a padded
         // row's values and of a padded column's.
         const auto value_at = [&](int source) {
@@ -214,18 +219,26 @@ __global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) /
             values[k] = value_at(source + source_column(c));
             if (++c == width) c = 0, source = next;
           }
-          store_streaming(reinterpret_cast<uint4*>(padded_y + span.lead + b * kPer), S::pack(values));
+          T* const out = padded_y + span.lead + b * kPer;
+          if constexpr (kResidual) add_residual<T, kPer>(p.epilogue.residual, p.y, out, values);
+          store_streaming(reinterpret_cast<uint4*>(out), S::pack(values));
           position.advance();
         }
         for (int j = threadIdx.x; j < span.lead + span.rest; j += THREADS) {
           const int i = span.value<T>(j);
-          padded_y[i] = S::from_float(value_at(source_row(i / width) + source_column(i % width)));
+          float value[1] = {value_at(source_row(i / width) + source_column(i % width))};
+          if constexpr (kResidual) add_residual<T, 1>(p.epilogue.residual, p.y, padded_y + i, value);
+          padded_y[i] = S::from_float(value[0]);
         }
       };
-      if (p.epilogue.activation == Activation::kNone) {
-        store(cuda::std::integral_constant<Activation, Activation::kNone>());
+      using cuda::std::integral_constant;
+      using None = integral_constant<Activation, Activation::kNone>;
+      if (p.epilogue.residual != nullptr) {
+        store(None(), cuda::std::true_type());
+      } else if (p.epilogue.activation == Activation::kNone) {
+        store(None(), cuda::std::false_type());
       } else {
-        with_activation(p.epilogue.activation, store);
+        with_activation(p.epilogue.activation, [&](auto activation) { store(activation, cuda::std::false_type()); });
       }
     } else if (aligned16(slice_y)) {
       for (int v = threadIdx.x; v < num_vecs; v += THREADS) {
@@ -1132,9 +1145,9 @@ ForwardPlan plan_forward(const ForwardProblem& problem, ForwardPath forced, cons
 bool forward_pads(const ForwardProblem& p, const ReflectionPad& pad, ForwardPath forced) {
   using namespace forward_detail;
   // The kernel's store loop takes a 16-byte block over two padded rows at most.
-  if (!pad.active() || p.layout != Layout::kContiguous || p.epilogue.residual != nullptr ||
-      p.running_mean != nullptr || p.num_slices() <= 0 || p.spatial <= 0 ||
-      pad.padded_width() < values_per_vector(p.dtype)) {
+  if (!pad.active() || p.layout != Layout::kContiguous ||
+      (p.epilogue.residual != nullptr && p.epilogue.activation != Activation::kNone) || p.running_mean != nullptr ||
+      p.num_slices() <= 0 || p.spatial <= 0 || pad.padded_width() < values_per_vector(p.dtype)) {
     return false;
   }
   if (forced == ForwardPath::kBlock) return block_plan(p).valid();

@@ -25,6 +25,22 @@ def test_fallback_is_the_pytorch_composition(solution, activation, dtype):
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_residual_after_the_pad_is_the_pytorch_composition(solution, dtype):
+    """With reflection_pad, a residual of the padded shape is added after the pad,
+    output and gradients (the residual's is the padded gradient itself)."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 8, 6, dtype=dtype, requires_grad=True)
+    r = torch.randn(2, 3, 11, 8, dtype=dtype, requires_grad=True)
+    weight = torch.randn(3, dtype=dtype, requires_grad=True)
+    out = solution.instance_norm(x, weight=weight, residual=r, reflection_pad=(1, 1, 2, 1))
+    expected = F.pad(F.instance_norm(x, weight=weight), (1, 1, 2, 1), mode="reflect") + r
+    torch.testing.assert_close(out, expected)
+    dy = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, (x, weight, r), dy),
+                               torch.autograd.grad(expected, (x, weight, r), dy))
+
+
 def test_epilogue_errors_name_the_argument(solution):
     x = torch.randn(2, 3, 8, 8)
     with pytest.raises(ValueError, match="activation must be None, 'relu'.*got 'tanh'"):
@@ -33,6 +49,12 @@ def test_epilogue_errors_name_the_argument(solution):
         solution.instance_norm(x, activation=1)
     with pytest.raises(ValueError, match=r"residual must have the input's shape \[2, 3, 8, 8\], got \[2, 3, 8, 7\]"):
         solution.instance_norm(x, residual=torch.randn(2, 3, 8, 7))
+    with pytest.raises(ValueError, match=r"residual must have the input's shape \[2, 3, 8, 8\] or the padded shape "
+                                         r"\[2, 3, 10, 9\], got \[2, 3, 8, 9\]"):
+        solution.instance_norm(x, residual=torch.randn(2, 3, 8, 9), reflection_pad=(1, 0, 1, 1))
+    with pytest.raises(ValueError, match="residual of the padded shape is added after the pad and takes no "
+                                         "activation, got activation 'silu'"):
+        solution.instance_norm(x, residual=torch.randn(2, 3, 10, 9), reflection_pad=(1, 0, 1, 1), activation="silu")
     with pytest.raises(TypeError, match="residual must have the input's dtype"):
         solution.instance_norm(x, residual=torch.randn(2, 3, 8, 8, dtype=torch.float64))
     with pytest.raises(TypeError, match="residual must be a torch.Tensor or None"):
@@ -253,6 +275,27 @@ def _pad_of_sum(norm):
     return fn
 
 
+def _padded_sums(norm):
+    """Two residual sums, each padded by the next step and added to the next sum: the
+    first norm writes its output padded, the second adds that padded residual after
+    its own pad; the last reads its residual through a crop."""
+    def fn(x, r):
+        s = F.relu(norm(x))
+        t = norm(F.pad(s, (1, 1, 1, 1), mode="reflect")[:, :, 2:, 2:]) + s
+        return norm(F.pad(t, (1, 1, 1, 1), mode="reflect")[:, :, :-2, :-2]) + t
+    return fn
+
+
+def _pad_and(other):
+    """norm(x) both padded and taken by other(crop of the padded output, norm(x))."""
+    def make(norm):
+        def fn(x, r):
+            y = norm(x)
+            return other(F.pad(y, (1, 1, 1, 1), mode="reflect")[:, :, 1:-1, 1:-1], y)
+        return fn
+    return make
+
+
 # case: (fn of a norm -> fn of (x, r), input size (H, W), folds, the rewritten graph's
 # instance_norm calls as (activation, reflection_pad, has residual))
 PAD_FUSION_CASES = {
@@ -268,6 +311,10 @@ PAD_FUSION_CASES = {
                          [(None, None, False)]),
     "slices past the backward block path": (lambda n: lambda x, r: F.pad(n(x), (1, 1, 1, 1), mode="reflect"),
                                             (128, 160), 0, [(None, None, False)]),
+    "padded residual sums": (_padded_sums, (40, 40), 5, [("relu", [1, 1, 1, 1], False),
+                                                        (None, [1, 1, 1, 1], True), (None, None, True)]),
+    "pad and an add": (_pad_and(torch.add), (40, 40), 1, [(None, [1, 1, 1, 1], False)]),
+    "pad and another use": (_pad_and(lambda a, b: a * torch.tanh(b)), (40, 40), 0, [(None, None, False)]),
     "padded rows narrower than a vector": (lambda n: lambda x, r: F.pad(n(x), (1, 0, 1, 1), mode="reflect"),
                                            (600, 2), 0, [(None, None, False)]),
 }
@@ -334,6 +381,77 @@ def through_aot_autograd(solution, module, x):
     grads = {name: p.grad for name, p in module.named_parameters()}
     return (out, x.grad, grads, record["folded"], record["dropped"], record["convolutions with bias"],
             record["merged"])
+
+
+class _PaddedSums(nn.Module):
+    """_padded_sums with three affine norms of their own."""
+
+    def __init__(self, solution):
+        super().__init__()
+        self.norms = nn.ModuleList(solution.InstanceNorm2d(3, affine=True) for _ in range(3))
+
+    def forward(self, x):
+        s = F.relu(self.norms[0](x))
+        t = self.norms[1](F.pad(s, (1, 1, 1, 1), mode="reflect")[:, :, 2:, 2:]) + s
+        return self.norms[2](F.pad(t, (1, 1, 1, 1), mode="reflect")[:, :, :-2, :-2]) + t
+
+
+def test_compile_fusion_keeps_padded_sums_through_autograd(solution):
+    """The padded residual sums (_pad_kept_for_users) traced through AOTAutograd: the
+    rewritten graph's output and gradients, the crops' included, are eager's."""
+    torch.manual_seed(8)
+    module = _PaddedSums(solution)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    x = torch.randn(2, 3, 40, 40)
+    reference = copy.deepcopy(module)
+    out, grad_x, grads, folded, *_ = through_aot_autograd(solution, module, x)
+    assert folded == 5
+    xe = x.clone().requires_grad_()
+    expected = reference(xe)
+    expected.square().mean().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad_x, xe.grad)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+class _PaddedConvSums(nn.Module):
+    """CycleGAN's pattern on CPU: a stem (conv, norm, ReLU), then two sums of
+    norm(conv(reflection pad of the previous sum)) and that sum."""
+
+    def __init__(self, solution):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3, 3, 3, padding=p) for p in (1, 0, 0))
+        self.norms = nn.ModuleList(solution.InstanceNorm2d(3) for _ in range(3))
+
+    def forward(self, x):
+        s = F.relu(self.norms[0](self.convs[0](x)))
+        t = self.norms[1](self.convs[1](F.pad(s, (1, 1, 1, 1), mode="reflect"))) + s
+        return self.norms[2](self.convs[2](F.pad(t, (1, 1, 1, 1), mode="reflect"))) + t
+
+
+def test_compile_fusion_keeps_padded_sums_and_drops_their_biases(solution):
+    """The padded sums of _PaddedConvSums with the biases before their norms dropped:
+    every bias keeps its place in the backward (a zero gradient, not None) and the
+    other gradients are eager's."""
+    torch.manual_seed(4)
+    module = _PaddedConvSums(solution)
+    x = torch.randn(2, 3, 40, 40)
+    reference = copy.deepcopy(module)
+    out, grad_x, grads, folded, dropped, with_bias, merged = through_aot_autograd(solution, module, x)
+    assert (folded, dropped, with_bias, merged) == (8, 3, 0, 3)
+    xe = x.clone().requires_grad_()
+    expected = reference(xe)
+    expected.square().mean().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad_x, xe.grad)
+    for name, p in reference.named_parameters():
+        if name.endswith("bias"):
+            assert grads[name] is not None and torch.count_nonzero(grads[name]) == 0, name
+        else:
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
 
 
 class _TwoUses(nn.Module):

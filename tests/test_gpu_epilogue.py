@@ -341,16 +341,19 @@ def padded64(x, weight, bias, activation, pad):
 @pytest.mark.parametrize("activation", (None, "relu", "gelu_tanh"), ids=str)
 @pytest.mark.parametrize("dtype", PAD_DTYPES, ids=str)
 def test_forward_reflection_pad_matches_float64(solution, activation, dtype):
-    """The block kernel's padded output, chosen and forced (every element written:
-    poisoned first), and the same pad by PyTorch's op after the split path, against
-    float64."""
+    """The padded output, chosen, forced onto the block path and the split one, against
+    float64. Where the block kernel writes the pad (padded rows of a 16-byte vector or
+    more: forward_pads) its output is poisoned first, so every element must be written;
+    elsewhere PyTorch's op pads y, into a block of its own."""
     for shape, pad in PAD_CASES:
         x, weight, bias, _ = inputs(shape, dtype, "contiguous", False, 53)
         expected = padded64(x, weight, bias, activation, pad)
         call = lambda path: solution._EXT.forward_with_stats(x, weight, bias, path=path, activation=activation,
                                                              negative_slope=SLOPE, reflection_pad=pad)
+        kernel_pads = (shape[-1] + pad[0] + pad[1]) * x.element_size() >= 16
         for path in (0, BLOCK, SPLIT):
-            out, _ = run_poisoned(lambda: call(path), expected.to(dtype)) if path != SPLIT else call(path)
+            poisoned = path == BLOCK and kernel_pads
+            out, _ = run_poisoned(lambda: call(path), expected.to(dtype)) if poisoned else call(path)
             assert out.shape == expected.shape and out.is_contiguous() and out.dtype == dtype
             torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype],
                                        rtol=0 if dtype == torch.float32 else 1e-2,
@@ -378,6 +381,39 @@ def test_backward_reflection_pad_matches_float64(solution, activation, dtype):
             for got, want, what in zip((dx, dweight, dbias), expected, ("dx", "dweight", "dbias")):
                 assert_close_scaled(got, want, GRAD_TOLERANCE[torch.bfloat16 if dtype != torch.float32 else dtype],
                                     f"{shape} pad {pad} path {path} {what}")
+
+
+@pytest.mark.parametrize("dtype", PAD_DTYPES, ids=str)
+def test_residual_after_the_pad_matches_float64(solution, dtype):
+    """A residual of the padded shape, added after the pad: the forward op's output
+    chosen and forced onto the block and split paths (poisoned first where the block
+    kernel writes the pad), and the functional's output and gradients (the residual's
+    is the padded gradient itself), against float64."""
+    for shape, pad in PAD_CASES:
+        x, weight, bias, _ = inputs(shape, dtype, "contiguous", False, 67)
+        leaves64 = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+        plain64 = padded64(*leaves64, None, pad)
+        residual = torch.randn(plain64.shape, device="cuda").to(dtype)
+        leaves64.append(residual.double().requires_grad_())
+        expected = plain64 + leaves64[3]
+        kernel_pads = (shape[-1] + pad[0] + pad[1]) * x.element_size() >= 16
+        for path in (0, BLOCK, SPLIT):
+            call = lambda: solution._EXT.forward_with_stats(x, weight, bias, path=path, residual=residual,
+                                                            reflection_pad=pad)
+            out, _ = run_poisoned(call, expected.to(dtype)) if path == BLOCK and kernel_pads else call()
+            assert out.shape == expected.shape and out.is_contiguous()
+            torch.testing.assert_close(out.double(), expected, atol=2 * TOLERANCE[dtype],
+                                       rtol=0 if dtype == torch.float32 else 1e-2,
+                                       msg=lambda m: f"{shape} pad {pad} path {path}: {m}")
+        leaves = [t.detach().requires_grad_() for t in (x, weight, bias, residual)]
+        out = solution.instance_norm(leaves[0], weight=leaves[1], bias=leaves[2], residual=leaves[3],
+                                     reflection_pad=pad)
+        dy = torch.randn(expected.shape, device="cuda").to(dtype)
+        grads, expected_grads = torch.autograd.grad(out, leaves, dy), torch.autograd.grad(expected, leaves64,
+                                                                                         dy.double())
+        for got, want, what in zip(grads, expected_grads, ("dx", "dweight", "dbias", "dresidual")):
+            assert_close_scaled(got, want, GRAD_TOLERANCE[torch.bfloat16 if dtype != torch.float32 else dtype],
+                                f"{shape} pad {pad} {what}")
 
 
 @pytest.mark.parametrize("layout", ("contiguous", "channels_last"))
@@ -412,6 +448,62 @@ class PaddedBlock(torch.nn.Module):
 
     def forward(self, x):
         return x + self.body(x)
+
+
+class PaddedChain(torch.nn.Module):
+    """A stem (conv, norm, ReLU) and three of CycleGAN's residual blocks: each sum but
+    the last is padded by the next block and added to that block's sum."""
+
+    def __init__(self, solution, channels):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, channels, 3, padding=1),
+                                        solution.InstanceNorm2d(channels), torch.nn.ReLU(True))
+        self.blocks = torch.nn.Sequential(*(PaddedBlock(solution, channels) for _ in range(3)))
+
+    def forward(self, x):
+        return self.blocks(self.stem(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compile_keeps_residual_sums_padded(solution, dtype):
+    """Under torch.compile the residual sums that the next block pads stay padded: the
+    stem's norm and each block's second norm but the last write the padded output,
+    the second norms add the previous sum padded: our forward op writes all six pads
+    of the model; output and gradients are eager's."""
+    torch.manual_seed(13)
+    torch.backends.cudnn.allow_tf32, saved = False, torch.backends.cudnn.allow_tf32
+    model = PaddedChain(solution, 8).cuda().to(dtype)
+    x = torch.randn(2, 3, 48, 48, device="cuda", dtype=dtype)
+    forward_op = torch.ops.instance_norm_cuda.forward.default
+    calls = []
+
+    def record(graph):
+        for node in graph.nodes:
+            if node.target is forward_op:
+                arguments = dict(zip(("input", "weight", "bias", "eps", "activation", "negative_slope", "residual",
+                                      "reflection_pad"), node.args), **node.kwargs)
+                residual = arguments["residual"]
+                calls.append((list(arguments.get("reflection_pad", [])),
+                              None if residual is None else list(residual.meta["val"].shape)))
+
+    torch._dynamo.reset()
+    xc = x.clone().requires_grad_()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
+        out = torch.compile(model, fullgraph=True)(xc)
+        out.float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    padded, unpadded = [1, 1, 1, 1], [2, 8, 48, 48]
+    assert sorted(calls, key=str) == sorted([(padded, None)] * 4 + [(padded, [2, 8, 50, 50])] * 2
+                                            + [([], unpadded)], key=str)
+    expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
+    biases = [name.endswith("bias") for name, _ in model.named_parameters()]
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # of each result's norm
+    for got, want, bias in zip((out, xc.grad, *grads), (expected_out, expected_grad_x, *expected_grads),
+                               (False, False, *biases)):
+        if not bias:  # the dropped biases' gradients are zero, eager's zero up to rounding
+            assert (got.float() - want.float()).norm() <= tolerance * want.float().norm() + 1e-6
+    torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

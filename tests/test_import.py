@@ -226,6 +226,12 @@ BAD_CALLS = {
     "residual device": lambda m: m.instance_norm(torch.rand(2, 3, 4), residual=torch.rand(2, 3, 4, device="meta")),
     "reflection_pad length": lambda m: m.instance_norm(torch.rand(2, 3, 4), reflection_pad=(1, 1, 1, 1)),
     "reflection_pad value": lambda m: m.instance_norm(torch.rand(2, 3, 4, 5), reflection_pad=(1, 1, 4, 0)),
+    "residual neither shape": lambda m: m.instance_norm(torch.rand(2, 3, 4), residual=torch.rand(2, 3, 5),
+                                                        reflection_pad=(1, 1)),
+    "residual padded, activation": lambda m: m.instance_norm(torch.rand(2, 3, 4), residual=torch.rand(2, 3, 6),
+                                                             reflection_pad=(1, 1), activation="relu"),
+    "reflection_pad before residual": lambda m: m.instance_norm(torch.rand(2, 3, 4), residual=torch.rand(2, 3, 1),
+                                                                reflection_pad=(4, 0)),
 }
 
 

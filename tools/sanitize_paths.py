@@ -19,8 +19,9 @@ per-channel weight; and the block paths' reflection-padded kernels (PAD_CASES: 1
 2D, asymmetric pads, a 3-row slice whose middle row both pads reflect, 128-thread
 and 512-thread backward CTAs, the latter with 64 KB of padded gradient in shared
 memory, padded slices at every offset within 16 bytes, padded rows narrower than a
-16-bit vector, which only the backward's kernel takes), checked against F.pad of
-the reference and the generic path's gradient.
+16-bit vector, which only the backward's kernel takes; the forward also with a
+residual of the padded shape), checked against F.pad of the reference and the
+generic path's gradient.
 The block path's extra M2 sweep runs on the slices whose first value lies over 2
 standard deviations from their mean, about 5% of these random ones. Exits 1 if any
 output is wrong (so a tool run also checks results), 2 without a GPU."""
@@ -109,6 +110,12 @@ def main():
         ok = ok and (dx.double() - dx_generic).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2) * scale
         failures += not ok
         print(f"reflection pad {pad} of {shape} {dtype}, block paths: {'ok' if ok else 'WRONG'}")
+        # A residual of the padded shape, added after the pad (no activation).
+        residual = torch.randn(y.shape, device="cuda").to(dtype)
+        y = solution._EXT.forward(x, weight=weight, path=BLOCK, residual=residual, reflection_pad=pad)
+        ok = close(y, F.pad(float64_reference(x, weight), pad, mode="reflect") + residual.double(), dtype)
+        failures += not ok
+        print(f"reflection pad {pad} of {shape} {dtype} + padded residual, block path: {'ok' if ok else 'WRONG'}")
     misaligned = torch.randn(2 * 3 * 64 * 64 + 1, device="cuda")[1:].view(2, 3, 64, 64)
     ok = close(solution.ModelNew(3)(misaligned), float64_reference(misaligned), torch.float32)
     failures += not ok
