@@ -592,15 +592,17 @@ class _InstanceNorm(nn.Module):
                  device=None, dtype=None, *, bias=True, activation=None, negative_slope=0.01, reflection_pad=None):
         super().__init__()
         if activation is not None and not isinstance(activation, str):
-            raise TypeError(f"activation must be None or one of {ACTIVATIONS[1:]}, got {type(activation).__name__}")
+            raise TypeError(f"{type(self).__name__}: activation must be None or one of {ACTIVATIONS[1:]}, "
+                            f"got {type(activation).__name__}")
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+            raise ValueError(f"{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
         self.negative_slope = _real("negative_slope", negative_slope)
         self.reflection_pad = _int_tuple("reflection_pad", reflection_pad)
         if self.reflection_pad is not None and (len(self.reflection_pad) != 2 * self._spatial_dims
                                                 or min(self.reflection_pad, default=0) < 0):
-            raise ValueError(f"reflection_pad must be {2 * self._spatial_dims} values >= 0 (2 per spatial dim), "
+            raise ValueError(f"{type(self).__name__}: reflection_pad must be {2 * self._spatial_dims} values >= 0 "
+                             "(2 per spatial dim), "
                              f"got {self.reflection_pad}")
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features

@@ -199,6 +199,21 @@ def test_module_activation_under_compile_fullgraph(solution):
 RELU, LEAKY_RELU = 1, 2
 
 
+def compiled_gradients(model, x, record):
+    """model compiled by inductor (fullgraph, caches off) with record(graph) as the
+    post-grad pass, run forward and backward (of the mean square) on x: (output, x's
+    gradient, the parameters' gradients as autograd left them: some views of one zero
+    buffer, _merge_zero_gradients)."""
+    torch._dynamo.reset()
+    x = x.clone().requires_grad_()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
+        out = torch.compile(model, fullgraph=True)(x)
+        out.float().square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out, x.grad, grads
+
+
 def compiled_with_epilogues(model, x):
     """model compiled by inductor (fullgraph, caches off), run forward and backward
     (of the mean square) on x: (output, x's gradient, the parameters' gradients,
@@ -217,14 +232,8 @@ def compiled_with_epilogues(model, x):
                 activation, residual = (4, 6) if node.target is forward_op else (5, 7)
                 calls[node.target].append((node.args[activation], node.args[residual] is not None))
 
-    torch._dynamo.reset()
-    x = x.clone().requires_grad_()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
-        out = torch.compile(model, fullgraph=True)(x)
-        out.float().square().mean().backward()
-    grads = [p.grad for p in model.parameters()]  # as autograd left them (views of one zero buffer, some)
-    model.zero_grad(set_to_none=True)
-    return out, x.grad, grads, sorted(calls[forward_op]), sorted(calls[backward_op]), len(biased)
+    out, grad_x, grads = compiled_gradients(model, x, record)
+    return out, grad_x, grads, sorted(calls[forward_op]), sorted(calls[backward_op]), len(biased)
 
 
 def eager_gradients(model, x):
@@ -234,6 +243,25 @@ def eager_gradients(model, x):
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return out, x.grad, grads
+
+
+def assert_near_eager(results, expected, skip, tolerance):
+    """Each result within tolerance * the norm of eager's (in float32), but those whose
+    skip is true: the gradients of biases dropped before a norm, zero compiled and
+    eager's zero up to rounding, so with no scale to compare at."""
+    for got, want, skipped in zip(results, expected, skip):
+        if not skipped:
+            assert (got.float() - want.float()).norm() <= tolerance * want.float().norm() + 1e-6
+
+
+@pytest.fixture
+def no_tf32():
+    """TF32 convolutions off for one test: the eager and compiled convolution algorithms
+    would round differently."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = saved
 
 
 class ResidualBlock(torch.nn.Module):
@@ -277,7 +305,7 @@ NET_FOLDS = {"transformer": ((1, 3, 64, 64), {(RELU, False): 10, (0, True): 5}, 
 
 
 @pytest.mark.parametrize("net", sorted(NET_FOLDS))
-def test_compile_folds_the_nets_epilogues(solution, nets, net):
+def test_compile_folds_the_nets_epilogues(solution, nets, net, no_tf32):
     """Each real-network benchmark net with our norms, compiled: every activation and
     residual add after a norm folded into it (the transformer net's F.relu too), the
     bias of every convolution right before a norm dropped, and the same output and
@@ -285,8 +313,6 @@ def test_compile_folds_the_nets_epilogues(solution, nets, net):
     zero, eager's zero up to rounding, and views of one buffer: _merge_zero_gradients)."""
     shape, folds, biased = NET_FOLDS[net]
     model = nets.build(net, "ours")
-    # TF32 convolutions would differ between the eager and compiled convolution algorithms.
-    torch.backends.cudnn.allow_tf32, saved = False, torch.backends.cudnn.allow_tf32
     torch.manual_seed(11)
     x = torch.randn(shape, device="cuda")
     out, grad_x, grads, forwards, _, with_bias = compiled_with_epilogues(model, x)
@@ -298,9 +324,8 @@ def test_compile_folds_the_nets_epilogues(solution, nets, net):
     assert len(zeros) == len(convolution_biases) - biased > 1
     assert len({grad.untyped_storage().data_ptr() for grad in zeros}) == 1
     expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
-    for result, expected in zip((out, grad_x, *grads), (expected_out, expected_grad_x, *expected_grads)):
-        assert (result - expected).norm() <= 1e-3 * expected.norm() + 1e-6
-    torch.backends.cudnn.allow_tf32 = saved
+    assert_near_eager((out, grad_x, *grads), (expected_out, expected_grad_x, *expected_grads),
+                      [False] * (2 + len(grads)), 1e-3)
 
 
 def test_residual_view_at_an_odd_offset(solution):
@@ -465,13 +490,12 @@ class PaddedChain(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_compile_keeps_residual_sums_padded(solution, dtype):
+def test_compile_keeps_residual_sums_padded(solution, dtype, no_tf32):
     """Under torch.compile the residual sums that the next block pads stay padded: the
     stem's norm and each block's second norm but the last write the padded output,
     the second norms add the previous sum padded: our forward op writes all six pads
     of the model; output and gradients are eager's."""
     torch.manual_seed(13)
-    torch.backends.cudnn.allow_tf32, saved = False, torch.backends.cudnn.allow_tf32
     model = PaddedChain(solution, 8).cuda().to(dtype)
     x = torch.randn(2, 3, 48, 48, device="cuda", dtype=dtype)
     forward_op = torch.ops.instance_norm_cuda.forward.default
@@ -486,34 +510,22 @@ def test_compile_keeps_residual_sums_padded(solution, dtype):
                 calls.append((list(arguments.get("reflection_pad", [])),
                               None if residual is None else list(residual.meta["val"].shape)))
 
-    torch._dynamo.reset()
-    xc = x.clone().requires_grad_()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
-        out = torch.compile(model, fullgraph=True)(xc)
-        out.float().square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    out, grad_x, grads = compiled_gradients(model, x, record)
     padded, unpadded = [1, 1, 1, 1], [2, 8, 48, 48]
     assert sorted(calls, key=str) == sorted([(padded, None)] * 4 + [(padded, [2, 8, 50, 50])] * 2
                                             + [([], unpadded)], key=str)
     expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
     biases = [name.endswith("bias") for name, _ in model.named_parameters()]
-    tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # of each result's norm
-    for got, want, bias in zip((out, xc.grad, *grads), (expected_out, expected_grad_x, *expected_grads),
-                               (False, False, *biases)):
-        if not bias:  # the dropped biases' gradients are zero, eager's zero up to rounding
-            assert (got.float() - want.float()).norm() <= tolerance * want.float().norm() + 1e-6
-    torch.backends.cudnn.allow_tf32 = saved
+    assert_near_eager((out, grad_x, *grads), (expected_out, expected_grad_x, *expected_grads), (False, False, *biases),
+                      1e-3 if dtype == torch.float32 else 3e-2)  # bf16 rounds differently compiled
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_compile_and_converter_fold_the_reflection_pad(solution, dtype):
+def test_compile_and_converter_fold_the_reflection_pad(solution, dtype, no_tf32):
     """Under torch.compile the pad after the first norm and ReLU runs in our kernels
     (the forward op writes the padded output), with eager's results; the converter
     folds the same pad in eager."""
     torch.manual_seed(12)
-    # TF32 convolutions would differ between the eager and compiled convolution algorithms.
-    torch.backends.cudnn.allow_tf32, saved = False, torch.backends.cudnn.allow_tf32
     model = PaddedBlock(solution, 8).cuda().to(dtype)
     x = torch.randn(2, 8, 48, 48, device="cuda", dtype=dtype)
     forward_op = torch.ops.instance_norm_cuda.forward.default
@@ -523,13 +535,7 @@ def test_compile_and_converter_fold_the_reflection_pad(solution, dtype):
         pads.extend(node.kwargs.get("reflection_pad", node.args[7] if len(node.args) > 7 else [])
                     for node in graph.nodes if node.target is forward_op)
 
-    torch._dynamo.reset()
-    xc = x.clone().requires_grad_()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
-        out = torch.compile(model, fullgraph=True)(xc)
-        out.float().square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
+    out, grad_x, grads = compiled_gradients(model, x, record)
     assert sorted(map(list, pads)) == [[], [1, 1, 1, 1]]
     expected_out, expected_grad_x, expected_grads = eager_gradients(model, x)
     converted = solution.convert_instance_norm(model)
@@ -539,9 +545,6 @@ def test_compile_and_converter_fold_the_reflection_pad(solution, dtype):
     # gradient, eager's zero up to rounding.
     biases = [name.endswith("bias") for name, _ in model.named_parameters()]
     assert all(torch.count_nonzero(grad) == 0 for grad, bias in zip(grads, biases) if bias)
-    tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # of each result's norm: bf16 rounds differently compiled
-    for result in ((out, xc.grad, *grads), (converted_out, converted_grad_x, *converted_grads)):
-        for got, want, bias in zip(result, (expected_out, expected_grad_x, *expected_grads), (False, False, *biases)):
-            if not bias:  # the biases' gradients are zero up to rounding: no scale to compare at
-                assert (got.float() - want.float()).norm() <= tolerance * want.float().norm() + 1e-6
-    torch.backends.cudnn.allow_tf32 = saved
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2  # bf16 rounds differently compiled
+    for result in ((out, grad_x, *grads), (converted_out, converted_grad_x, *converted_grads)):
+        assert_near_eager(result, (expected_out, expected_grad_x, *expected_grads), (False, False, *biases), tolerance)
