@@ -383,17 +383,18 @@ def through_aot_autograd(solution, module, x):
             record["merged"])
 
 
-def assert_matches_eager(reference, x, out, grad_x, grads, zero_biases=False):
+def assert_matches_eager(reference, x, out, grad_x, grads, zero=lambda name: False):
     """out, grad_x and grads ({parameter name: gradient}) are those of the eager module
-    reference on x (backward of the mean square); with zero_biases, each bias's gradient
-    is zero instead (its bias dropped before a norm) and kept, not None."""
+    reference on x (backward of the mean square), but the gradients of the parameters
+    zero(name) picks (biases dropped before a norm): zero, and kept, not None. The
+    reference's gradients are left in its parameters."""
     xe = x.clone().requires_grad_()
     expected = reference(xe)
     expected.square().mean().backward()
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(grad_x, xe.grad)
     for name, p in reference.named_parameters():
-        if zero_biases and name.endswith("bias"):
+        if zero(name):
             assert grads[name] is not None and torch.count_nonzero(grads[name]) == 0, name
         else:
             torch.testing.assert_close(grads[name], p.grad, msg=name)
@@ -452,7 +453,7 @@ def test_compile_fusion_keeps_padded_sums_and_drops_their_biases(solution):
     reference = copy.deepcopy(module)
     out, grad_x, grads, folded, dropped, with_bias, merged = through_aot_autograd(solution, module, x)
     assert (folded, dropped, with_bias, merged) == (8, 3, 0, 3)
-    assert_matches_eager(reference, x, out, grad_x, grads, zero_biases=True)
+    assert_matches_eager(reference, x, out, grad_x, grads, zero=lambda name: name.endswith("bias"))
 
 
 class _TwoUses(nn.Module):
@@ -514,18 +515,15 @@ def test_compile_fusion_drops_a_convolution_bias_only_where_the_norm_removes_it(
     reference = copy.deepcopy(module)
     out, grad_x, grads, folded, dropped_here, with_bias, merged = through_aot_autograd(solution, module, x)
     assert (folded, dropped_here, with_bias, merged) == (folds, dropped, traced_biases, 0)  # one zero: nothing to merge
-    xe = x.clone().requires_grad_()
-    expected = reference(xe)
-    expected.square().mean().backward()
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(grad_x, xe.grad)
-    for name, p in reference.named_parameters():
+
+    def dropped_bias(name):
         owner = reference.get_submodule(name.rpartition(".")[0])
-        if dropped and name.endswith("bias") and isinstance(owner, nn.modules.conv._ConvNd):
-            assert torch.count_nonzero(grads[name]) == 0
+        return dropped and name.endswith("bias") and isinstance(owner, nn.modules.conv._ConvNd)
+
+    assert_matches_eager(reference, x, out, grad_x, grads, zero=dropped_bias)
+    for name, p in reference.named_parameters():
+        if dropped_bias(name):
             assert p.grad.abs().max() < 1e-12  # eager's is zero up to rounding
-        else:
-            torch.testing.assert_close(grads[name], p.grad)
 
 
 # net: (activations and adds folded, convolution biases dropped, traced convolutions that keep a bias)
