@@ -602,8 +602,7 @@ class _InstanceNorm(nn.Module):
         if self.reflection_pad is not None and (len(self.reflection_pad) != 2 * self._spatial_dims
                                                 or min(self.reflection_pad, default=0) < 0):
             raise ValueError(f"{type(self).__name__}: reflection_pad must be {2 * self._spatial_dims} values >= 0 "
-                             "(2 per spatial dim), "
-                             f"got {self.reflection_pad}")
+                             f"(2 per spatial dim), got {self.reflection_pad}")
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps

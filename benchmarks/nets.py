@@ -253,7 +253,9 @@ def accurate_as_pytorch(errors):
 
 
 def make_step(net, variant, mode):
-    """A closure running one SGD training step of a fresh `net` with `variant` norms in `mode`."""
+    """A closure running one SGD training step of a fresh `net` with `variant` norms in
+    `mode`; given a list `clock`, it appends time.perf_counter() after the forward, the
+    loss + backward and the optimizer step (host time per phase: step_phases.py)."""
     _, _, in_shape, out_shape = NETS[net]
     model = build(net, variant)
     torch.manual_seed(2)
@@ -262,12 +264,18 @@ def make_step(net, variant, mode):
     forward = torch.compile(model, mode="reduce-overhead") if mode == "compile" else model
     autocast = mode != "fp32"
 
-    def step():
+    def step(clock=None):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             out = forward(x)
+        if clock is not None:
+            clock.append(time.perf_counter())
         F.mse_loss(out.float(), target).backward()
+        if clock is not None:
+            clock.append(time.perf_counter())
         optimizer.step()
+        if clock is not None:
+            clock.append(time.perf_counter())
 
     return step
 

@@ -3,8 +3,8 @@
     OUT=DIR python benchmarks/step_phases.py
 
 For PyTorch's norms, ours and nn.Identity (benchmarks/nets.py's "pytorch", "ours" and
-"identity" variants), the step of benchmarks/nets.py's compile mode (bf16 autocast,
-torch.compile(mode="reduce-overhead"), SGD with momentum), its phases timed apart: the
+"identity" variants), the step of benchmarks/nets.py's compile mode (nets.make_step: bf16
+autocast, torch.compile(mode="reduce-overhead"), SGD with momentum), its phases timed apart: the
 host time of the forward call, of the loss and backward, and of the optimizer step,
 then the wait for the GPU (the synchronize after them). Medians over 20 steps after 6
 untimed ones, in ms; then torch.profiler's table (3 steps, CPU and CUDA) and its trace
@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nets  # noqa: E402  (benchmarks/nets.py)
@@ -25,32 +24,14 @@ NET = "cyclegan"
 VARIANTS = ("pytorch", "ours", "identity")
 
 
-def phased_step(variant):
-    """nets.make_step's compile-mode step of NET with `variant` norms, as a closure that
-    appends [forward, loss + backward, optimizer, wait for the GPU] host ms to `marks`."""
-    _, _, in_shape, out_shape = nets.NETS[NET]
-    model = nets.build(NET, variant)
-    torch.manual_seed(2)
-    x, target = torch.randn(in_shape, device="cuda"), torch.randn(out_shape, device="cuda")
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    forward = torch.compile(model, mode="reduce-overhead")
-
-    def step(marks=None):
-        t = [time.perf_counter()]
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = forward(x)
-        t.append(time.perf_counter())
-        F.mse_loss(out.float(), target).backward()
-        t.append(time.perf_counter())
-        optimizer.step()
-        t.append(time.perf_counter())
-        torch.cuda.synchronize()
-        t.append(time.perf_counter())
-        if marks is not None:
-            marks.append([1e3 * (b - a) for a, b in zip(t, t[1:])])
-
-    return step, sum(1 for _ in model.parameters())
+def phase_times_ms(step):
+    """One step of nets.make_step's closure: host ms of [forward, loss + backward,
+    optimizer, wait for the GPU]."""
+    clock = [time.perf_counter()]
+    step(clock)
+    torch.cuda.synchronize()
+    clock.append(time.perf_counter())
+    return [1e3 * (b - a) for a, b in zip(clock, clock[1:])]
 
 
 def main():
@@ -59,19 +40,17 @@ def main():
         return 2
     out_dir = os.environ["OUT"]
     for variant in VARIANTS:
-        step, parameters = phased_step(variant)
+        step = nets.make_step(NET, variant, "compile")
         for _ in range(6):
-            step()
-        marks = []
-        for _ in range(20):
-            step(marks)
+            phase_times_ms(step)
+        marks = [phase_times_ms(step) for _ in range(20)]
         median = [sorted(m[i] for m in marks)[10] for i in range(4)]
-        print(f"{variant:9s} params {parameters:3d}  host ms: forward {median[0]:.3f} backward {median[1]:.3f} "
+        print(f"{variant:9s} host ms: forward {median[0]:.3f} backward {median[1]:.3f} "
               f"optimizer {median[2]:.3f}; wait for GPU {median[3]:.3f}; step {sum(median):.3f}", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                step()
+                phase_times_ms(step)
         prof.export_chrome_trace(f"{out_dir}/{variant}.json")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
         torch._dynamo.reset()
