@@ -1,6 +1,6 @@
 """Where a compiled CycleGAN training step spends its time, on a CUDA GPU.
 
-    OUT=DIR python benchmarks/step_phases.py
+    OUT=DIR python benchmarks/step_phases.py [--in-turn]
 
 For PyTorch's norms, ours and nn.Identity (benchmarks/nets.py's "pytorch", "ours" and
 "identity" variants), the step of benchmarks/nets.py's compile mode (nets.make_step: bf16
@@ -10,8 +10,15 @@ then the wait for the GPU (the synchronize after them). Medians over 20 steps af
 untimed ones, in ms; then torch.profiler's table (3 steps, CPU and CUDA) and its trace
 as DIR/<variant>.json. A step whose host phases take the same time for every variant
 and whose wait differs is host-bound, and its wait is the GPU work left after the host.
+
+With --in-turn the variants run as benchmarks/nets.py times them: all compiled first,
+then 20 turns of one step of each in turn (so CUDA graph trees switch between models
+at every step); the phases are printed per variant and one profile of 3 turns is
+written as DIR/in_turn.json.
 """
+import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -34,26 +41,58 @@ def phase_times_ms(step):
     return [1e3 * (b - a) for a, b in zip(clock, clock[1:])]
 
 
-def main():
-    if not torch.cuda.is_available():
-        print("benchmarks/step_phases.py needs a CUDA GPU and none is visible.", file=sys.stderr)
-        return 2
-    out_dir = os.environ["OUT"]
+def medians(marks):
+    """Per-phase medians (ms) of a list of phase_times_ms results."""
+    return [statistics.median(m[i] for m in marks) for i in range(4)]
+
+
+def print_phases(variant, median):
+    print(f"{variant:9s} host ms: forward {median[0]:.3f} backward {median[1]:.3f} "
+          f"optimizer {median[2]:.3f}; wait for GPU {median[3]:.3f}; step {sum(median):.3f}", flush=True)
+
+
+def profiled(run, path):
+    """Runs run() under torch.profiler (CPU and CUDA), writes its trace to path and
+    prints its table."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+    prof.export_chrome_trace(path)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+
+
+def each_alone(out_dir):
     for variant in VARIANTS:
         step = nets.make_step(NET, variant, "compile")
         for _ in range(6):
             phase_times_ms(step)
-        marks = [phase_times_ms(step) for _ in range(20)]
-        median = [sorted(m[i] for m in marks)[10] for i in range(4)]
-        print(f"{variant:9s} host ms: forward {median[0]:.3f} backward {median[1]:.3f} "
-              f"optimizer {median[2]:.3f}; wait for GPU {median[3]:.3f}; step {sum(median):.3f}", flush=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                phase_times_ms(step)
-        prof.export_chrome_trace(f"{out_dir}/{variant}.json")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+        print_phases(variant, medians([phase_times_ms(step) for _ in range(20)]))
+        profiled(lambda: [phase_times_ms(step) for _ in range(3)], f"{out_dir}/{variant}.json")
         torch._dynamo.reset()
+
+
+def in_turn(out_dir):
+    steps = {variant: nets.make_step(NET, variant, "compile") for variant in nets.VARIANTS}
+    for step in steps.values():
+        for _ in range(6):
+            phase_times_ms(step)
+    marks = {variant: [] for variant in steps}
+    for _ in range(20):
+        for variant, step in steps.items():
+            marks[variant].append(phase_times_ms(step))
+    for variant in steps:
+        print_phases(variant, medians(marks[variant]))
+    profiled(lambda: [phase_times_ms(step) for _ in range(3) for step in steps.values()], f"{out_dir}/in_turn.json")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--in-turn", action="store_true", help="run the variants in turn, as nets.py times them")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/step_phases.py needs a CUDA GPU and none is visible.", file=sys.stderr)
+        return 2
+    (in_turn if args.in_turn else each_alone)(os.environ["OUT"])
     return 0
 
 
