@@ -85,29 +85,38 @@ def measures(median, floor_copies):
             "best_peer": best}
 
 
+def _instance_norm(x, weight, bias):
+    """PyTorch's F.instance_norm with the parameters by keyword: positionally its
+    second and third arguments are running_mean and running_var."""
+    return F.instance_norm(x, weight=weight, bias=bias)
+
+
 class Peers:
     """The peers' forward functions f(x, weight, bias) -> y, built once per sweep
     (compiled ones once per dtype, layout and affine in dynamic mode)."""
 
     def __init__(self, compile_mode):
         self.compile_mode = compile_mode
-        self.compiled = {}
+        self.compiled_key, self.compiled = None, None
         self.flag_gems = _flag_gems()
 
     def for_cell(self, cell):
-        found = {"eager": lambda x, w, b: F.instance_norm(x, weight=w, bias=b)}
+        found = {"eager": _instance_norm}
         if self.compile_mode == "static":
             torch._dynamo.reset()  # past the recompile limit Dynamo would fall back to eager
-            found["torch.compile"] = torch.compile(F.instance_norm)
+            found["torch.compile"] = torch.compile(_instance_norm)
         elif self.compile_mode == "dynamic":
+            # cells() yields each dtype, layout and affine's cells together, so one
+            # reset per key keeps every key's recompiles under Dynamo's limit.
             key = (cell["dtype"], cell["channels_last"], cell["affine"])
-            if key not in self.compiled:
-                self.compiled[key] = torch.compile(F.instance_norm, dynamic=True)
-            found["torch.compile"] = self.compiled[key]
+            if key != self.compiled_key:
+                torch._dynamo.reset()
+                self.compiled_key, self.compiled = key, torch.compile(_instance_norm, dynamic=True)
+            found["torch.compile"] = self.compiled
         if self.flag_gems is not None:
             def gems(x, w, b, use_gems=self.flag_gems.use_gems):
                 with use_gems():
-                    return F.instance_norm(x, weight=w, bias=b)
+                    return _instance_norm(x, w, b)
             found["flag_gems"] = gems
         return found
 

@@ -73,3 +73,20 @@ def test_measures_and_report(sweep, capsys):
     assert "forward over 1.25x the copy: 1, over 1.6x: 1" in out
     assert "cells where a peer is faster: forward 1, forward + backward 1" in out
     assert out.index("1.70") < out.index("1.10")  # worst first
+
+
+@pytest.mark.parametrize("compile_mode", ["none", "dynamic"])
+def test_peers_apply_weight_and_bias(sweep, compile_mode):
+    peers = sweep.Peers(compile_mode)
+    cell = {"shape": (2, 3, 4, 5), "dtype": torch.float32, "channels_last": False, "affine": True}
+    x, weight, bias = torch.randn(2, 3, 4, 5), torch.randn(3), torch.randn(3)
+    mean = x.mean(dim=(2, 3), keepdim=True)
+    var = x.var(dim=(2, 3), unbiased=False, keepdim=True)
+    expected = (x - mean) / torch.sqrt(var + 1e-5) * weight.view(1, 3, 1, 1) + bias.view(1, 3, 1, 1)
+    functions = peers.for_cell(cell)
+    assert set(functions) == ({"eager"} if compile_mode == "none" else {"eager", "torch.compile"})
+    for name, function in functions.items():
+        torch.testing.assert_close(function(x, weight, bias), expected, msg=name)
+    if compile_mode == "dynamic":
+        assert peers.for_cell(cell)["torch.compile"] is functions["torch.compile"]
+        assert peers.for_cell(dict(cell, affine=False))["torch.compile"] is not functions["torch.compile"]
