@@ -1,7 +1,7 @@
 """Training steps of real networks with this project's InstanceNorm, PyTorch's, and none.
 
     python benchmarks/nets.py [--nets transformer,cyclegan,unet3d] [--modes fp32,bf16,compile]
-                              [--steps 10] [--rounds 3] [--warmup 3] [--host-calls 100] [--no-host | --host-only] [--json PATH]
+                              [--steps 10] [--rounds 3] [--warmup 3] [--settle 0] [--host-calls 100] [--no-host | --host-only] [--json PATH]
     python benchmarks/nets.py --profile
     python benchmarks/nets.py --kernels [--nets ...] [--modes ...]
 
@@ -27,7 +27,9 @@ calls F.relu and pads inside its conv modules, so it gets none), and with nn.Ide
 in their place ("identity", the floor). One step is zero_grad, forward, an MSE loss,
 backward and an SGD step. Modes: fp32 eager; bf16 autocast eager; bf16 autocast with
 torch.compile(mode="reduce-overhead") of the net. Each variant takes --rounds x --steps
-timed steps, one step of each variant in turn, each step's wall time taken on the host
+timed steps, one step of each variant in turn (with --settle N, each timed step right
+after N untimed steps of its own variant, so that it is not the first step after a
+switch between models), each step's wall time taken on the host
 with a synchronize after it (host time included: what a user waits for); the table
 gives medians in ms and the norm cost ratios
 (ours - identity) / (pytorch - identity), and the same for fused, from those medians
@@ -290,19 +292,30 @@ def step_times_ms(step, steps):
     return times
 
 
-def time_net(net, mode, steps, rounds, warmup):
-    """{variant: [step ms]} over rounds * steps turns, each turn one step of every
-    variant: the host's speed drifts by tens of percent within a minute on the H200
-    machine (docs/perf-notes.md #125), and a drift then falls on every variant alike
-    instead of on the block of steps that one variant ran in."""
+def time_in_turn(steppers, turns, settle):
+    """{variant: [step ms]} of `turns` turns, each turn one timed step of every variant
+    of `steppers` ({variant: step}) in order, each right after `settle` untimed steps of
+    the same variant: the host's speed drifts by tens of percent within a minute on the
+    H200 machine (docs/perf-notes.md #125), and a drift then falls on every variant
+    alike instead of on the block of steps that one variant ran in. With settle 0 each
+    timed step is the first after the other variants' steps and carries what the
+    switch between models costs (CUDA graph trees under compile, #167), which a user
+    training one model does not pay."""
+    times = {variant: [] for variant in steppers}
+    for _ in range(turns):
+        for variant, step in steppers.items():
+            step_times_ms(step, settle)
+            times[variant] += step_times_ms(step, 1)
+    return times
+
+
+def time_net(net, mode, steps, rounds, warmup, settle):
+    """time_in_turn over rounds * steps turns of the net's four variants in `mode`,
+    after `warmup` untimed steps of each."""
     stepper = {variant: make_step(net, variant, mode) for variant in VARIANTS}
     for step in stepper.values():
         step_times_ms(step, warmup)
-    times = {variant: [] for variant in VARIANTS}
-    for _ in range(rounds * steps):
-        for variant, step in stepper.items():
-            times[variant] += step_times_ms(step, 1)
-    return times
+    return time_in_turn(stepper, rounds * steps, settle)
 
 
 def norm_cost_ratios(times):
@@ -525,6 +538,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round (rounds x steps in all)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each variant takes rounds x steps steps, one step of each in turn")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compile included)")
+    parser.add_argument("--settle", type=int, default=0, help="untimed steps of a variant right before each of its "
+                        "timed steps (default 0: each timed step is the first after the other variants')")
     parser.add_argument("--host-calls", type=int, default=100, help="calls per host-time row")
     parser.add_argument("--no-host", action="store_true", help="skip the per-layer host times")
     parser.add_argument("--host-only", action="store_true", help="only the per-layer host times")
@@ -552,8 +567,9 @@ def main():
             kernel_tables(nets, mode)
         return 0
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, settle {args.settle}")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+               "settle": args.settle,
                "checks": {}, "steps": [], "host": []}
     failed = False
     if args.host_only:
@@ -571,7 +587,7 @@ def main():
               f"norm cost / pytorch's: ours, fused (median step ms); paired: ours, fused")
     for net in nets:
         for mode in modes:
-            times = time_net(net, mode, args.steps, args.rounds, args.warmup)
+            times = time_net(net, mode, args.steps, args.rounds, args.warmup, args.settle)
             medians = {variant: statistics.median(t) for variant, t in times.items()}
             ratios = norm_cost_ratios(times)
             results["steps"].append({"net": net, "mode": mode, **medians, **ratios})

@@ -1,6 +1,6 @@
 """Where a compiled CycleGAN training step spends its time, on a CUDA GPU.
 
-    OUT=DIR python benchmarks/step_phases.py [--in-turn]
+    OUT=DIR python benchmarks/step_phases.py [--in-turn [--settle N]]
 
 For PyTorch's norms, ours and nn.Identity (benchmarks/nets.py's "pytorch", "ours" and
 "identity" variants), the step of benchmarks/nets.py's compile mode (nets.make_step: bf16
@@ -14,7 +14,8 @@ and whose wait differs is host-bound, and its wait is the GPU work left after th
 With --in-turn the variants run as benchmarks/nets.py times them: all compiled first,
 then 20 turns of one step of each in turn (so CUDA graph trees switch between models
 at every step); the phases are printed per variant and one profile of 3 turns is
-written as DIR/in_turn.json.
+written as DIR/in_turn.json. --settle N runs N untimed steps of a variant right before
+each of its timed steps in a turn, as nets.py --settle N does.
 """
 import argparse
 import os
@@ -71,28 +72,42 @@ def each_alone(out_dir):
         torch._dynamo.reset()
 
 
-def in_turn(out_dir):
+def in_turn(out_dir, settle):
     steps = {variant: nets.make_step(NET, variant, "compile") for variant in nets.VARIANTS}
     for step in steps.values():
         for _ in range(6):
             phase_times_ms(step)
+
+    def turn(marks):
+        for variant, step in steps.items():
+            for _ in range(settle):
+                phase_times_ms(step)
+            marks[variant].append(phase_times_ms(step))
+
     marks = {variant: [] for variant in steps}
     for _ in range(20):
-        for variant, step in steps.items():
-            marks[variant].append(phase_times_ms(step))
+        turn(marks)
+    print(f"settle {settle}")
     for variant in steps:
         print_phases(variant, medians(marks[variant]))
-    profiled(lambda: [phase_times_ms(step) for _ in range(3) for step in steps.values()], f"{out_dir}/in_turn.json")
+    profiled(lambda: [turn({variant: [] for variant in steps}) for _ in range(3)], f"{out_dir}/in_turn.json")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in-turn", action="store_true", help="run the variants in turn, as nets.py times them")
+    parser.add_argument("--settle", type=int, default=0, help="with --in-turn: untimed steps of a variant right "
+                        "before each of its timed steps (as nets.py --settle)")
     args = parser.parse_args()
+    if args.settle and not args.in_turn:
+        parser.error("--settle needs --in-turn")
     if not torch.cuda.is_available():
         print("benchmarks/step_phases.py needs a CUDA GPU and none is visible.", file=sys.stderr)
         return 2
-    (in_turn if args.in_turn else each_alone)(os.environ["OUT"])
+    if args.in_turn:
+        in_turn(os.environ["OUT"], args.settle)
+    else:
+        each_alone(os.environ["OUT"])
     return 0
 
 

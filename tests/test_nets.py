@@ -66,3 +66,16 @@ def test_paired_ratios_cancel_a_drift_between_turns(nets):
              for variant, c in cost.items()}
     assert nets.norm_cost_ratios(times) == pytest.approx(
         {"ratio": 0.0, "fused_ratio": -0.5, "paired_ratio": 0.5, "paired_fused_ratio": 0.25})
+
+
+@pytest.mark.parametrize("settle", [0, 2])
+def test_time_in_turn_settles_each_variant_before_its_timed_step(nets, monkeypatch, settle):
+    """Every turn runs the variants in order, each with `settle` untimed steps right
+    before its one timed step; each variant gets one time per turn."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ran = []
+    steppers = {variant: (lambda variant=variant: ran.append(variant)) for variant in ("pytorch", "ours", "identity")}
+    times = nets.time_in_turn(steppers, turns=3, settle=settle)
+    assert ran == [variant for _ in range(3) for variant in steppers for _ in range(settle + 1)]
+    assert {variant: len(t) for variant, t in times.items()} == {"pytorch": 3, "ours": 3, "identity": 3}
+    assert all(ms >= 0 for t in times.values() for ms in t)
