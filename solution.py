@@ -418,14 +418,14 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                   _int_tuple("reflection_pad", reflection_pad))
 
 
-def _real(name, value, as_torch_float=False):
+def _real(name, value, as_torch_float=False, owner="instance_norm"):
     """`value` (a real number, not a bool) as a float; with as_torch_float, whatever
     F.instance_norm's float arguments take (a bool or a one-element tensor too).
-    TypeError naming `name` otherwise."""
+    TypeError naming `owner` and `name` otherwise."""
     taken = (isinstance(value, numbers.Real) and (as_torch_float or not isinstance(value, bool))
              or as_torch_float and isinstance(value, torch.Tensor) and value.numel() == 1)
     if not taken:
-        raise TypeError(f"instance_norm: {name} must be a real number, got {type(value).__name__}")
+        raise TypeError(f"{owner}: {name} must be a real number, got {type(value).__name__}")
     return float(value)
 
 
@@ -597,7 +597,11 @@ class _InstanceNorm(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
-        self.negative_slope = _real("negative_slope", negative_slope)
+        owner = type(self).__name__
+        self.negative_slope = _real("negative_slope", negative_slope, owner=owner)
+        _real("eps", eps, as_torch_float=True, owner=owner)  # kept as given, as PyTorch keeps it
+        if momentum is not None:
+            _real("momentum", momentum, as_torch_float=True, owner=owner)
         self.reflection_pad = _int_tuple("reflection_pad", reflection_pad)
         if self.reflection_pad is not None and (len(self.reflection_pad) != 2 * self._spatial_dims
                                                 or min(self.reflection_pad, default=0) < 0):

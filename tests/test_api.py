@@ -87,6 +87,13 @@ def test_float_options_take_what_pytorch_takes_and_name_the_argument(solution):
         for bad in ("0.1", None, [0.1]):
             with pytest.raises(TypeError, match=f"{name} must be a real number, got {type(bad).__name__}"):
                 solution.instance_norm(x, **{name: bad})
+    # The modules check them when built, as the functional does per call; momentum may be None.
+    for name, bads in (("momentum", ("0.1", [0.1])), ("eps", ("0.1", None, [0.1]))):
+        for bad in bads:
+            with pytest.raises(TypeError, match=f"InstanceNorm2d: {name} must be a real number, got "
+                                                f"{type(bad).__name__}"):
+                solution.InstanceNorm2d(3, **{name: bad})
+    assert solution.InstanceNorm2d(3, momentum=None, eps=torch.tensor(1e-3)).momentum is None
 
 
 def test_functional_matches_pytorch_on_cpu(solution):

@@ -68,7 +68,8 @@ def test_epilogue_errors_name_the_argument(solution):
     for bad in ("a", None, True):
         with pytest.raises(TypeError, match=f"negative_slope must be a real number, got {type(bad).__name__}"):
             solution.instance_norm(x, activation="leaky_relu", negative_slope=bad)
-        with pytest.raises(TypeError, match=f"negative_slope must be a real number, got {type(bad).__name__}"):
+        with pytest.raises(TypeError, match=f"InstanceNorm2d: negative_slope must be a real number, got "
+                                            f"{type(bad).__name__}"):
             solution.InstanceNorm2d(3, activation="leaky_relu", negative_slope=bad)
 
 
