@@ -177,7 +177,7 @@ def run_cell(bench, solution, cell, peers, args, flush):
                 return f"gradient differs from float64 beyond {tolerance} of its scale and twice eager's error"
         return None
 
-    failures = {name: reason for name in functions if (reason := check(name)) is not None}
+    failures = {name: reason for name in functions if (reason := failure_of(lambda name=name: check(name))) is not None}
     del reference, expected
     if "ours" in failures:
         return dict(cell, failed=failures["ours"])
@@ -194,6 +194,17 @@ def run_cell(bench, solution, cell, peers, args, flush):
     both = {name: statistics.median(bench.time_ms(fn, args.runs, args.warmup, flush)) for name, fn in both_rows.items()}
     return dict(cell, peer_failures=failures, forward={"median_ms": forward, **measures(forward, 1.0)},
                 forward_backward={"median_ms": both, **measures(both, 2.5)})
+
+
+def failure_of(check):
+    """check()'s failure reason, or None; an exception it raises becomes the reason
+    (its type and first line), so a peer that cannot run a cell (a compile error, an
+    op FlagGems lacks) is left out of that cell and the sweep goes on."""
+    try:
+        return check()
+    except Exception as error:  # noqa: BLE001  (any failure of a peer is reported, not fatal)
+        lines = str(error).strip().splitlines()
+        return f"raised {type(error).__name__}" + (f": {lines[0][:200]}" if lines else "")
 
 
 def worst(results, key, count=12):
@@ -280,6 +291,8 @@ def main(bench, solution, args, flush):
                   f"{result['forward']['vs_best_peer']:.2f} of {result['forward']['best_peer']}; forward + backward "
                   f"{result['forward_backward']['x_copy']:.2f}x copy, {result['forward_backward']['vs_best_peer']:.2f}"
                   f" of {result['forward_backward']['best_peer']}")
+            for name, reason in result["peer_failures"].items():
+                print(f"    {name} left out: {reason}")
         torch.cuda.empty_cache()
     report(results)
     if args.plot:

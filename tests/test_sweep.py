@@ -90,3 +90,14 @@ def test_peers_apply_weight_and_bias(sweep, compile_mode):
     if compile_mode == "dynamic":
         assert peers.for_cell(cell)["torch.compile"] is functions["torch.compile"]
         assert peers.for_cell(dict(cell, affine=False))["torch.compile"] is not functions["torch.compile"]
+
+
+def test_failure_of_reports_an_exception_as_the_reason(sweep):
+    assert sweep.failure_of(lambda: None) is None
+    assert sweep.failure_of(lambda: "output differs") == "output differs"
+
+    def compile_error():
+        raise RuntimeError("Dynamo failed to run FX node\nmore detail")
+
+    assert sweep.failure_of(compile_error) == "raised RuntimeError: Dynamo failed to run FX node"
+    assert sweep.failure_of(lambda: {}[0]) == "raised KeyError: 0"
