@@ -181,6 +181,7 @@ struct SplitPlan {
   int64_t chunks;         // partials per slice (contiguous: chunks of values; channels-last: of rows)
   size_t partials_bytes;  // the workspace's partials, before the per-slice float4s
   int stats_unit;         // values per unit of the partials' loads: one 16-byte vector, or 1
+  bool staged_partials;   // channels-last partials through per-thread shared-memory slots (kStagedRounds)
   unsigned stats_grid;
   int combine_lanes;      // lanes per slice of the combination: a power of two up to a warp, or a CTA's threads
   unsigned combine_grid;

@@ -40,13 +40,20 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; slice < num_slices;
        slice += static_cast<int64_t>(gridDim.x) * kWarps) {
     const T* slice_x = x + slice * spatial;
-    const SliceShift shift = SliceShift::of(S::to_float(__ldg(slice_x)));
     float d[VALUES];
-    float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < VALUES; ++k) {
       const int i = lane + k * kWarpSize;
-      d[k] = i < spatial ? shift.apply(S::to_float(__ldg(slice_x + i))) : 0.f;
+      d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) : 0.f;
+    }
+    // The shift (the slice's first value) is lane 0's first load: taken from it, not
+    // loaded on its own, so no load waits on another and a slice costs one memory
+    // latency, which is the whole time of a problem of a few slices.
+    const SliceShift shift = SliceShift::of(__shfl_sync(0xffffffffu, d[0], 0));
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < VALUES; ++k) {
+      if (lane + k * kWarpSize < spatial) d[k] = shift.apply(d[k]);
       sum += d[k];
     }
     const float mean = warp_allreduce(sum, Sum()) / static_cast<float>(spatial);

@@ -167,24 +167,6 @@ __device__ __forceinline__ int rows_in_round(int64_t left, int row_groups) {
   return count;
 }
 
-// f(j, d) for each value of a round's first `count` units: value i of each unit
-// belongs to slice j = i % SLICES (SLICES = V: channels-last, a unit spans V
-// channels; SLICES = 1: contiguous), and d is it shifted by shift[j]. Each call
-// unpacks the units anew, so a round holds only its packed bits between passes.
-template <typename T, int V, int SLICES, typename F>
-__device__ __forceinline__ void for_each_shifted(const UnitBits<T, V> (&bits)[kLoads], int count,
-                                                 const SliceShift (&shift)[SLICES], F f) {
-#pragma unroll
-  for (int k = 0; k < kLoads; ++k) {
-    if (k < count) {
-      float v[V];
-      unpack_unit<T, V>(bits[k], v);
-#pragma unroll
-      for (int i = 0; i < V; ++i) f(i % SLICES, shift[i % SLICES].apply(v[i]));
-    }
-  }
-}
-
 // Statistics of SLICES slices over the same positions, so with one count: a thread's
 // statistics of its unit's channels (contiguous: of its one slice). merge() is
 // combine() (Chan et al.) for all slices at once, with one division for them all.
@@ -219,22 +201,50 @@ struct SharedCountStats {
   __device__ __forceinline__ SliceStats of(int j) const { return {count, mean[j], m2[j]}; }
 };
 
-// Statistics of a round's first `count` units, per slice (for_each_shifted): the mean
-// of d, then the M2 about it, in two passes.
-template <typename T, int V, int SLICES>
-__device__ __forceinline__ SharedCountStats<SLICES> round_stats(const UnitBits<T, V> (&bits)[kLoads], int count,
+// Statistics of a round's first `count` units, per slice, in a single sweep: with center
+// c = d of the slice's value in the round's first unit (unit k's bits are units(k): a
+// round's registers, or its shared-memory slots) and t = d - c, the sums S1 of t
+// and S2 of t^2 give mean_d = c + S1 / n and M2 = S2 - S1 * (S1 / n). The center is
+// one of the round's values, so (c - mean)^2 <= M2 and S2 <= (n + 1) M2: the
+// subtraction loses at most log2(n + 1) bits (docs/perf-notes.md #166).
+template <typename T, int V, int SLICES, typename Units>
+__device__ __forceinline__ SharedCountStats<SLICES> round_stats(Units units, int count,
                                                                 const SliceShift (&shift)[SLICES]) {
-  float sum[SLICES] = {};
-  for_each_shifted<T, V, SLICES>(bits, count, shift, [&](int j, float d) { sum[j] += d; });
+  LinearMap centered[SLICES];
+  float center[SLICES];
+  {
+    float v[V];
+    unpack_unit<T, V>(units(0), v);
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) {
+      center[j] = shift[j].apply(v[j]);
+      centered[j] = shift[j].centered(center[j]);
+    }
+  }
+  float s1[SLICES] = {};
+  float s2[SLICES] = {};
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    if (k < count) {
+      float v[V];
+      unpack_unit<T, V>(units(k), v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float t = centered[i % SLICES].apply(v[i]);
+        s1[i % SLICES] += t;
+        s2[i % SLICES] = __fmaf_rn(t, t, s2[i % SLICES]);
+      }
+    }
+  }
   SharedCountStats<SLICES> out = SharedCountStats<SLICES>::empty();
   out.count = static_cast<float>(count * (V / SLICES));
   const float inverse = count > 0 ? 1.f / out.count : 0.f;
 #pragma unroll
-  for (int j = 0; j < SLICES; ++j) out.mean[j] = sum[j] * inverse;
-  for_each_shifted<T, V, SLICES>(bits, count, shift, [&](int j, float d) {
-    const float deviation = d - out.mean[j];
-    out.m2[j] += deviation * deviation;
-  });
+  for (int j = 0; j < SLICES; ++j) {
+    const float relative = s1[j] * inverse;
+    out.mean[j] = count > 0 ? center[j] + relative : 0.f;
+    out.m2[j] = relu(__fmaf_rn(-s1[j], relative, s2[j]));  // rounding may leave it just below 0; NaN kept
+  }
   return out;
 }
 
@@ -263,7 +273,7 @@ __global__ void __launch_bounds__(kThreads)
       const int count = static_cast<int>(valid_count<kThreads>(end, first, kLoads));
       UnitBits<T, V> bits[kLoads];
       load_round<T, V>(slice_x, first * V, int64_t{kThreads} * V, count, bits);
-      stats.merge(round_stats<T, V, 1>(bits, count, shift));
+      stats.merge(round_stats<T, V, 1>([&](int k) { return bits[k]; }, count, shift));
     }
     const SliceStats total = BlockStatsReduce<kThreads>::allreduce(stats.of(0), storage);
     if (threadIdx.x == 0) partials[tile] = total;
@@ -289,59 +299,168 @@ struct ChannelsLastTile {
   }
 };
 
+// The row groups' statistics of one channels-last tile combined through shared
+// memory by a fixed tree (row group g takes in g + step for step = 1, 2, 4, ...) into
+// partials[(n * C + channel) * chunks + chunk]. Every thread of the CTA calls it.
+template <int V>
+__device__ __forceinline__ void store_tile_partials(const ForwardProblem& p, const ChannelsLastTiling& tiling,
+                                                    const ChannelsLastTile& tile, int group, int64_t chunks,
+                                                    const SharedCountStats<V>& stats,
+                                                    SliceStats (&group_stats)[kThreads][V], SliceStats* partials) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = stats.of(i);
+  __syncthreads();
+  for (int step = 1; step < tiling.row_groups; step *= 2) {
+    if (group % (2 * step) == 0 && group + step < tiling.row_groups) {
+      const int other = threadIdx.x + step * tiling.tile_units;
+#pragma unroll
+      for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = combine(group_stats[threadIdx.x][i], group_stats[other][i]);
+    }
+    __syncthreads();
+  }
+  if (group == 0 && tile.active) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int64_t channel = int64_t{tile.unit} * V + i;
+      partials[(tile.n * p.num_channels + channel) * chunks + tile.chunk] = group_stats[threadIdx.x][i];
+    }
+  }
+  __syncthreads();  // group_stats is rewritten by the next tile
+}
+
+// The shift of each of a channels-last tile's V channels: the slice's first value.
+template <typename T, int V>
+__device__ __forceinline__ void tile_shifts(const T* column, SliceShift (&shift)[V]) {
+  float first[V];
+  unpack_unit<T, V>(load_unit<T, V>(column, 0), first);
+#pragma unroll
+  for (int i = 0; i < V; ++i) shift[i] = SliceShift::of(first[i]);
+}
+
+// Bytes of dynamic shared memory of the staged channels-last partials: kStagedRounds
+// slots of kLoads 16-byte units per thread.
+constexpr int kStagedBytes = kStagedRounds * kLoads * kThreads * 16;
+
+// The next round this thread copies in the staged channels-last partials. A CTA's
+// rounds, in order: round r < chunk_rounds of tile blockIdx.x + t * gridDim.x for t =
+// 0, 1, ..., rounds past a chunk's end copying nothing, so every thread of the CTA
+// counts the same rounds. The tile is decoded once per tile, not per round.
+template <typename T, int V>
+struct StagedCursor {
+  const T* unit;    // this thread's unit in row `row` (null: nothing to copy in this tile)
+  int64_t row;      // this thread's first row of the round
+  int64_t row_end;  // the chunk's end
+  int64_t tile_index;
+  int round;
+
+  __device__ void enter(const ForwardProblem& p, const ChannelsLastTiling& tiling, int64_t chunks, int group,
+                        int64_t num_tiles, int64_t index) {
+    tile_index = index;
+    round = 0;
+    unit = nullptr;
+    row = row_end = 0;
+    if (index >= num_tiles) return;
+    const ChannelsLastTile tile = ChannelsLastTile::of(tiling, index, chunks);
+    const int64_t row_begin = tile.chunk * tiling.chunk_rows;
+    row_end = min(row_begin + tiling.chunk_rows, p.spatial);
+    row = row_begin + group;
+    if (tile.active) {
+      unit = static_cast<const T*>(p.x) + tile.n * p.spatial * p.num_channels + row * p.num_channels +
+             int64_t{tile.unit} * V;
+    }
+  }
+
+  // cp.async-copies the round's units into this thread's slot `slot` (unit k at
+  // slots + (slot * kLoads + k) * kThreads * 16 bytes), commits the group (empty
+  // where the round has no rows of this thread's), and moves to the next round.
+  __device__ void stage(const ForwardProblem& p, const ChannelsLastTiling& tiling, int64_t chunks, int group,
+                        int64_t num_tiles, int chunk_rounds, unsigned slots, int slot) {
+    if (unit != nullptr && row < row_end) {
+      const int count = rows_in_round(row_end - row, tiling.row_groups);
+      const int64_t stride = int64_t{tiling.row_groups} * p.num_channels;
+      const unsigned slot_base = slots + static_cast<unsigned>(slot * kLoads * kThreads * 16);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        if (k < count) cp_async_16<0>(slot_base + k * kThreads * 16, unit + k * stride);
+      }
+    }
+    cp_async_commit();
+    if (++round < chunk_rounds) {
+      const int64_t round_rows = int64_t{kLoads} * tiling.row_groups;
+      row += round_rows;
+      if (unit != nullptr) unit += round_rows * p.num_channels;
+    } else {
+      enter(p, tiling, chunks, group, num_tiles, tile_index + gridDim.x);
+    }
+  }
+};
+
 // Kernel 1, channels_last: per ChannelsLastTiling, thread (unit u, row group g) of a
 // CTA merges the statistics of rows g + k * row_groups of its chunk for each of its
-// V channels; the row groups' statistics are then combined through shared memory by
-// a fixed tree into partials[(n * C + channel) * chunks + chunk].
-template <typename T, int V>
-__global__ void __launch_bounds__(kThreads, sizeof(T) == sizeof(float) ? kChannelsLastPartialsFp32CtasPerSm : 1)
+// V channels; the row groups' statistics are then combined (store_tile_partials).
+// STAGED (16-byte units only; launched with kStagedBytes of dynamic shared memory):
+// each thread copies the round after the one it reduces into its own shared-memory
+// slots (cp.async), across tile boundaries too, so its next loads stay in flight
+// through a round's arithmetic and a tile's reduction without registers held for
+// them; a thread reads back only its own slots, so no barrier guards them.
+template <typename T, int V, bool STAGED>
+__global__ void __launch_bounds__(kThreads, STAGED                    ? kStagedPartialsCtasPerSm
+                                            : sizeof(T) == sizeof(float) ? kChannelsLastPartialsFp32CtasPerSm
+                                                                         : kChannelsLastPartials16BitCtasPerSm)
     partial_stats_channels_last_kernel(const ForwardProblem p, int64_t chunks, int chunk_rounds, SliceStats* partials) {
+  static_assert(!STAGED || V > 1, "the staged partials copy 16-byte units");
   __shared__ SliceStats group_stats[kThreads][V];
+  extern __shared__ uint4 staged_rounds[];
   const T* x = static_cast<const T*>(p.x);
   const ChannelsLastTiling tiling = ChannelsLastTiling::of(p.num_channels, V, chunk_rounds);
   const int group = static_cast<int>(threadIdx.x) / tiling.tile_units;
   const int64_t num_tiles = p.batch * chunks * tiling.channel_tiles;
   const int64_t round_rows = int64_t{kLoads} * tiling.row_groups;
+  const unsigned slots = static_cast<unsigned>(__cvta_generic_to_shared(staged_rounds)) + threadIdx.x * 16;
+  StagedCursor<T, V> ahead;
+  int slot = 0;
+  SliceShift shift[V];
+  int64_t shift_key = -1;  // n * row_units + unit of the shifts in `shift`
+  if constexpr (STAGED) {
+    ahead.enter(p, tiling, chunks, group, num_tiles, blockIdx.x);
+    for (int s = 0; s + 1 < kStagedRounds; ++s) ahead.stage(p, tiling, chunks, group, num_tiles, chunk_rounds, slots, s);
+  }
   for (int64_t tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
     const ChannelsLastTile tile = ChannelsLastTile::of(tiling, tile_index, chunks);
     const int64_t row_begin = tile.chunk * tiling.chunk_rows;
     const int64_t row_end = min(row_begin + tiling.chunk_rows, p.spatial);
     const T* column = x + tile.n * p.spatial * p.num_channels + int64_t{tile.unit} * V;  // row 0, this unit
     SharedCountStats<V> stats = SharedCountStats<V>::empty();
-    if (tile.active) {
-      float first[V];
-      unpack_unit<T, V>(load_unit<T, V>(column, 0), first);
-      SliceShift shift[V];
-#pragma unroll
-      for (int i = 0; i < V; ++i) shift[i] = SliceShift::of(first[i]);
+    // A thread's next tile is usually of the same n and channels (more rows), whose
+    // shifts it holds already: it loads them only when they change.
+    const int64_t key = tile.n * tiling.row_units + tile.unit;
+    if (tile.active && key != shift_key) {
+      tile_shifts<T, V>(column, shift);
+      shift_key = key;
+    }
+    if constexpr (STAGED) {
+      for (int r = 0; r < chunk_rounds; ++r) {
+        ahead.stage(p, tiling, chunks, group, num_tiles, chunk_rounds, slots, (slot + kStagedRounds - 1) % kStagedRounds);
+        cp_async_wait_group<kStagedRounds - 1>();  // this thread's copies of round r have landed
+        const int64_t round = row_begin + group + r * round_rows;
+        if (tile.active && round < row_end) {
+          const int count = rows_in_round(row_end - round, tiling.row_groups);
+          const uint4* round_slots = staged_rounds + slot * kLoads * kThreads + threadIdx.x;
+          stats.merge(round_stats<T, V, V>([&](int k) { return round_slots[k * kThreads]; }, count, shift));
+        }
+        slot = (slot + 1) % kStagedRounds;
+      }
+    } else if (tile.active) {
       for (int64_t round = row_begin + group; round < row_end; round += round_rows) {
         const int count = rows_in_round(row_end - round, tiling.row_groups);
         UnitBits<T, V> bits[kLoads];
         load_round<T, V>(column, round * p.num_channels, tiling.row_groups * p.num_channels, count, bits);
-        stats.merge(round_stats<T, V, V>(bits, count, shift));
+        stats.merge(round_stats<T, V, V>([&](int k) { return bits[k]; }, count, shift));
       }
     }
-#pragma unroll
-    for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = stats.of(i);
-    __syncthreads();
-    // Row group g takes in g + step for step = 1, 2, 4, ...: a fixed order.
-    for (int step = 1; step < tiling.row_groups; step *= 2) {
-      if (group % (2 * step) == 0 && group + step < tiling.row_groups) {
-        const int other = threadIdx.x + step * tiling.tile_units;
-#pragma unroll
-        for (int i = 0; i < V; ++i) group_stats[threadIdx.x][i] = combine(group_stats[threadIdx.x][i], group_stats[other][i]);
-      }
-      __syncthreads();
-    }
-    if (group == 0 && tile.active) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const int64_t channel = int64_t{tile.unit} * V + i;
-        partials[(tile.n * p.num_channels + channel) * chunks + tile.chunk] = group_stats[threadIdx.x][i];
-      }
-    }
-    __syncthreads();  // group_stats is rewritten by the next tile
+    store_tile_partials<V>(p, tiling, tile, group, chunks, stats, group_stats, partials);
   }
+  if constexpr (STAGED) cp_async_wait_all();  // the empty groups past the last round
 }
 
 // Kernel 2: per slice {shift, mean of x - shift, rstd * weight[c], bias[c]} (scaled
@@ -505,6 +624,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Whether the staged channels-last partials run this problem: 16-bit values in
+// 16-byte units, and two CTAs with their slots fit an SM of the current device
+// (else the unstaged kernel, which needs no dynamic shared memory).
+bool stages_partials(const ForwardProblem& p, int stats_unit) {
+  if (p.layout != Layout::kChannelsLast || stats_unit == 1 || element_bytes(p.dtype) != 2) return false;
+  const void* kernel = p.dtype == DType::kBFloat16
+                           ? reinterpret_cast<const void*>(partial_stats_channels_last_kernel<__nv_bfloat16, 8, true>)
+                           : reinterpret_cast<const void*>(partial_stats_channels_last_kernel<__half, 8, true>);
+  return ctas_per_sm(kernel, kThreads, kStagedBytes) >= kStagedPartialsCtasPerSm;
+}
+
 }  // namespace split_detail
 
 bool split_supported(const ForwardProblem& p) {
@@ -519,6 +649,7 @@ ForwardPlan split_plan(const ForwardProblem& p) {
   SplitPlan& split = plan.split;
   const bool contiguous = p.layout == Layout::kContiguous;
   split.stats_unit = unit_values(p, p.x);
+  split.staged_partials = p.running_mean == nullptr && stages_partials(p, split.stats_unit);
   split.sweep_unit = unit_values(p, p.x, p.y);
   split.chunk_rounds = split_chunk_rounds(p, split.stats_unit);
   split.chunks = chunks_per_slice(p, split.stats_unit, split.chunk_rounds);
@@ -539,6 +670,10 @@ ForwardPlan split_plan(const ForwardProblem& p) {
     const ChannelsLastTiling stats = ChannelsLastTiling::of(p.num_channels, split.stats_unit, split.chunk_rounds);
     const ChannelsLastTiling sweep = ChannelsLastTiling::of(p.num_channels, split.sweep_unit, split.chunk_rounds);
     split.stats_grid = grid_for(p.batch * split.chunks * stats.channel_tiles, 1);
+    // Staged: as many CTAs as run at once, each streaming its tiles back to back.
+    if (split.staged_partials) {
+      split.stats_grid = std::min<unsigned>(split.stats_grid, current_sm_count() * kStagedPartialsCtasPerSm);
+    }
     split.sweep_chunks = sweep.chunks(p.spatial);
     split.sweep_grid = grid_for(p.batch * split.sweep_chunks * sweep.channel_tiles, 1);
   }
@@ -556,7 +691,15 @@ void launch_partial_stats(const ForwardProblem& p, const SplitPlan& plan, SliceS
     auto kernel = vector ? partial_stats_contiguous_kernel<T, kVector> : partial_stats_contiguous_kernel<T, 1>;
     kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunk_rounds, partials);
   } else {
-    auto kernel = vector ? partial_stats_channels_last_kernel<T, kVector> : partial_stats_channels_last_kernel<T, 1>;
+    auto kernel = vector ? partial_stats_channels_last_kernel<T, kVector, false>
+                         : partial_stats_channels_last_kernel<T, 1, false>;
+    if constexpr (sizeof(T) == 2) {
+      if (plan.staged_partials) {
+        partial_stats_channels_last_kernel<T, kVector, true>
+            <<<plan.stats_grid, kThreads, kStagedBytes, stream>>>(p, plan.chunks, plan.chunk_rounds, partials);
+        return;
+      }
+    }
     kernel<<<plan.stats_grid, kThreads, 0, stream>>>(p, plan.chunks, plan.chunk_rounds, partials);
   }
 }

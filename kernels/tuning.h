@@ -61,6 +61,18 @@ constexpr int kMinCtasPerSm = 8;
 // 80 registers, against 98 for two): more loads in flight; in 16-bit three spilled
 // and lost (docs/perf-notes.md #122).
 constexpr int kChannelsLastPartialsFp32CtasPerSm = 3;
+// The 16-bit ones run two (launch bounds: 128 registers): their single-sweep round
+// statistics take 128 with 12 bytes of spills, against 145 and one CTA per SM
+// unbounded (docs/perf-notes.md #166).
+constexpr int kChannelsLastPartials16BitCtasPerSm = 2;
+// The 16-bit channels-last partials copy each round into shared memory (cp.async)
+// while they reduce the one before: kStagedRounds slots of a round's loads per
+// thread (64 KB per CTA at 2). Unstaged they issued a round, waited on it, then
+// reduced it, at a third of DRAM's bandwidth (docs/perf-notes.md #130).
+constexpr int kStagedRounds = 2;
+// CTAs per SM the staged partials run (launch bounds: 128 registers), and the
+// least the device must hold for them to be chosen.
+constexpr int kStagedPartialsCtasPerSm = 2;
 // A slice's partials are combined by a whole CTA from this many chunks on (by
 // lanes_for(chunks) lanes below): 256 = a warp's 32 lanes with 8 loads in flight each,
 // so a slice under it takes one round of loads. A CTA per slice of 20 chunks cost
