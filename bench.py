@@ -8,7 +8,7 @@ of it, and a plain device copy of the same tensor (the speed limit), in one proc
     python bench.py [--backward] --affine
     python bench.py [--backward] --reflection-pad 1,1,1,1
     python bench.py --sweep [--quick] [--budget-gb 2] [--compile-mode dynamic] [--plot PATH]
-    common: [--runs 30] [--warmup 3] [--no-compile] [--json PATH]
+    common: [--runs 30] [--warmup 3] [--no-compile] [--kernels] [--json PATH]
 
 Input: torch.rand of the shape ((N, C, *spatial), 1d to 3d; default the seed shape
 (112, 64, 512, 512), 7.5 GB in fp32). Each row first checks our output against
@@ -35,6 +35,9 @@ ours.
 kernel that writes the padded output (reads the padded gradient) against the plain
 kernel followed by PyTorch's pad (preceded by its pad backward), both checked against
 PyTorch's norm and pad first.
+--kernels also prints, under each shape's table, every row's CUDA kernels per call
+(torch.profiler over 20 calls, each after the flush; the flush's own kernels,
+profiled alone as often, taken out): where a row's time goes, kernel by kernel.
 --sweep times forward and forward + backward over a grid of slice count x slice size
 x dtype x layout x affine against the copy, eager, torch.compile and FlagGems (where
 installed), and reports the worst cells (benchmarks/sweep.py describes it).
@@ -245,6 +248,43 @@ def padded_backward_rows(solution, x, pad, tolerance):
     return rows
 
 
+def kernels_beyond(both, alone, calls):
+    """[(kernel, launches per call, us per launch)], most time per call first: the
+    profiler's totals `both` ({kernel: (launches, us)} over `calls` calls of a row,
+    each after the flush) less `alone` (the flush's own, profiled as many times)."""
+    rows = []
+    for name, (launches, us) in both.items():
+        flush_launches, flush_us = alone.get(name, (0, 0.0))
+        if launches > flush_launches:
+            rows.append((name, (launches - flush_launches) / calls, (us - flush_us) / (launches - flush_launches)))
+    return sorted(rows, key=lambda row: -row[1] * row[2])
+
+
+def profiled_kernels(fn, calls):
+    """{kernel: (launches, us)} of `calls` calls of fn under torch.profiler (CUDA only),
+    after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    found = {}
+    for event in profile.key_averages():
+        us = event.self_device_time_total if hasattr(event, "self_device_time_total") else event.self_cuda_time_total
+        if us > 0:
+            found[event.key] = (event.count, us)
+    return found
+
+
+def row_kernels(fn, flush, calls=20):
+    """kernels_beyond for fn, each call after the L2 flush as when timed."""
+    def flushed():
+        flush.zero_()
+        fn()
+    return kernels_beyond(profiled_kernels(flushed, calls), profiled_kernels(flush.zero_, calls), calls)
+
+
 def bench_shape(solution, shape, dtype, channels_last, args, flush):
     """Times one shape; returns {name: median ms} and prints a table."""
     x = make_input(shape, dtype, channels_last)
@@ -257,10 +297,17 @@ def bench_shape(solution, shape, dtype, channels_last, args, flush):
           f"median of {args.runs} ms, x copy")
     for name, m in median.items():
         print(f"  {name:24s} {m:9.4f} {m / copy_ms:6.2f}x")
+    kernels = {}
+    if args.kernels:
+        print("  CUDA kernels per call: launches, us each (torch.profiler)")
+        for name, fn in rows:
+            kernels[name] = row_kernels(fn, flush)
+            for kernel, launches, us in kernels[name]:
+                print(f"  {name:24s} {launches:5.2f} {us:8.2f}  {kernel[:100]}")
     del x, rows
     torch.cuda.empty_cache()
     return {"shape": list(shape), "dtype": str(dtype), "channels_last": channels_last, "median_ms": median,
-            "times_ms": times}
+            "times_ms": times, **({"kernels": kernels} if args.kernels else {})}
 
 
 def summary(results, backward):
@@ -312,10 +359,14 @@ def main(argv=None):
     parser.add_argument("--compile-mode", choices=("dynamic", "static", "none"), default="dynamic",
                         help="with --sweep: torch.compile peer with dynamic shapes (default), per cell, or none")
     parser.add_argument("--plot", metavar="PATH", help="with --sweep: heat maps as a PNG (needs matplotlib)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also print each row's CUDA kernels per call (torch.profiler, the flush's own taken out)")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     args = parser.parse_args(argv)
     if args.runs < 20:
         parser.error("--runs must be at least 20")
+    if args.kernels and args.sweep:
+        parser.error("--kernels lists the rows of --shape or --suite, not of --sweep")
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU and none is visible.", file=sys.stderr)
         return 2

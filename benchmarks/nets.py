@@ -66,6 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench  # noqa: E402  (bench.py: the profiler's kernel totals)
 
 VARIANTS = ("pytorch", "ours", "fused", "identity")
 MODES = ("fp32", "bf16", "compile")
@@ -443,12 +444,9 @@ def per_family(kernels, steps):
 
 def kernel_times(step, steps):
     """{kernel family (kernel_family): (calls, us)} per training step: the profiler's
-    CUDA kernels over `steps` steps of `step`, after 3 untimed ones."""
+    CUDA kernels over `steps` steps of `step` (bench.profiled_kernels), after 3 untimed ones."""
     step_times_ms(step, 3)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        step_times_ms(step, steps)
-    return per_family([(event.key, event.count, event.self_device_time_total if hasattr(event, "self_device_time_total")
-                        else event.self_cuda_time_total) for event in profile.key_averages()], steps)
+    return per_family([(name, calls, us) for name, (calls, us) in bench.profiled_kernels(step, steps).items()], steps)
 
 
 def kernel_tables(nets, mode, steps=5):
