@@ -34,7 +34,8 @@ with a synchronize after it (host time included: what a user waits for); the tab
 gives medians in ms and the norm cost ratios
 (ours - identity) / (pytorch - identity), and the same for fused, from those medians
 and ("paired") from the medians of the differences within each turn, which a drift
-of the host's speed between turns does not move (norm_cost_ratios).
+of the host's speed between turns does not move (norm_cost_ratios), with a 95%
+bootstrap interval over the turns (paired_ratio_interval).
 
 Before timing, each net's output and parameter gradients in fp32 (TF32 off, cuDNN
 deterministic), with our norms and with PyTorch's, are compared with the same net
@@ -55,6 +56,7 @@ Needs a CUDA GPU; exits with status 2 without one.
 """
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -336,6 +338,29 @@ def norm_cost_ratios(times):
             "paired_fused_ratio": paired("fused") / paired("pytorch")}
 
 
+def paired_ratio_interval(times, variant, level=0.95, resamples=2000, seed=0):
+    """(low, high): a percentile bootstrap interval at `level` of norm_cost_ratios's
+    paired ratio of `variant` ("ours" or "fused"): the turns of time_net's step times
+    drawn with replacement `resamples` times (a fixed seed: the same times give the
+    same interval), the paired ratio of each draw, and the (1 - level) / 2 and
+    (1 + level) / 2 quantiles of those (Efron & Tibshirani, "An Introduction to the
+    Bootstrap", 1993, ch. 13). A cell is judged against a bound by its interval, not
+    by the ratio alone, where the norm's cost is a small part of a step."""
+    import random
+
+    generator = random.Random(seed)
+    turns = len(times["identity"])
+    costs = {name: [v - f for v, f in zip(times[name], times["identity"])] for name in (variant, "pytorch")}
+    ratios = []
+    for _ in range(resamples):
+        draw = [generator.randrange(turns) for _ in range(turns)]
+        theirs = statistics.median(costs["pytorch"][i] for i in draw)
+        ours = statistics.median(costs[variant][i] for i in draw)
+        ratios.append(ours / theirs if theirs != 0 else math.copysign(math.inf, ours))
+    ratios.sort()
+    return (ratios[round((1 - level) / 2 * (resamples - 1))], ratios[round((1 + level) / 2 * (resamples - 1))])
+
+
 def host_us(fn, calls):
     """(host, wall) microseconds per call of fn over `calls` calls, after 10 warm-up calls."""
     for _ in range(10):
@@ -582,16 +607,21 @@ def main():
             for variant, (out, grad, name) in errors.items()) + f" ({'ok' if ok else 'FAILED'})", flush=True)
     if nets:
         print(f"\n{'net':<12} {'mode':<8} {'pytorch':>9} {'ours':>9} {'fused':>9} {'identity':>9}  "
-              f"norm cost / pytorch's: ours, fused (median step ms); paired: ours, fused")
+              f"norm cost / pytorch's: ours, fused (median step ms); paired: ours, fused [95% interval]")
     for net in nets:
         for mode in modes:
             times = time_net(net, mode, args.steps, args.rounds, args.warmup, args.settle)
             medians = {variant: statistics.median(t) for variant, t in times.items()}
             ratios = norm_cost_ratios(times)
-            results["steps"].append({"net": net, "mode": mode, **medians, **ratios})
+            intervals = {f"paired_{variant}_interval": paired_ratio_interval(times, variant)
+                         for variant in ("ours", "fused")}
+            results["steps"].append({"net": net, "mode": mode, **medians, **ratios, **intervals})
             print(f"{net:<12} {mode:<8} {medians['pytorch']:9.2f} {medians['ours']:9.2f} {medians['fused']:9.2f} "
                   f"{medians['identity']:9.2f}  {ratios['ratio']:.2f}, {ratios['fused_ratio']:.2f}; paired: "
-                  f"{ratios['paired_ratio']:.2f}, {ratios['paired_fused_ratio']:.2f}", flush=True)
+                  f"{ratios['paired_ratio']:.2f} [{intervals['paired_ours_interval'][0]:.2f}, "
+                  f"{intervals['paired_ours_interval'][1]:.2f}], {ratios['paired_fused_ratio']:.2f} "
+                  f"[{intervals['paired_fused_interval'][0]:.2f}, {intervals['paired_fused_interval'][1]:.2f}]",
+                  flush=True)
             torch._dynamo.reset()
     if not args.no_host:
         print(f"\nhost us per call (wall) {'':<22} forward          forward+backward per layer of {CHAIN}")

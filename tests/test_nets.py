@@ -1,7 +1,7 @@
 """CPU tests of the real-network benchmark's nets (benchmarks/nets.py): the published
 architectures' norm and parameter counts, the same conv weights for every norm
-variant, the accuracy comparison, the norm cost ratios, and how --kernels groups
-kernels."""
+variant, the accuracy comparison, the norm cost ratios and their intervals, and how
+--kernels groups kernels."""
 import pytest
 import torch
 
@@ -66,6 +66,32 @@ def test_paired_ratios_cancel_a_drift_between_turns(nets):
              for variant, c in cost.items()}
     assert nets.norm_cost_ratios(times) == pytest.approx(
         {"ratio": 0.0, "fused_ratio": -0.5, "paired_ratio": 0.5, "paired_fused_ratio": 0.25})
+
+
+def test_paired_ratio_interval_brackets_the_cost_and_narrows_with_less_noise(nets):
+    """The bootstrap interval of the paired ratio: exact where every turn has the same
+    differences; around the true ratio, and wider for noisier floors, otherwise; the
+    same times give the same interval."""
+    turns = 48
+    cost = {"identity": 0.0, "pytorch": 0.4, "ours": 0.2, "fused": 0.1}
+    exact = {variant: [3.0 + c] * turns for variant, c in cost.items()}
+    assert nets.paired_ratio_interval(exact, "ours") == pytest.approx((0.5, 0.5))
+    assert nets.paired_ratio_interval(exact, "fused") == pytest.approx((0.25, 0.25))
+    generator = torch.Generator().manual_seed(1)
+
+    def noisy(spread):
+        return {variant: [3.0 + c + spread * float(torch.randn(1, generator=generator)) for _ in range(turns)]
+                for variant, c in cost.items()}
+
+    widths = []
+    for spread in (0.02, 0.1):
+        times = noisy(spread)
+        low, high = nets.paired_ratio_interval(times, "ours")
+        assert low <= nets.norm_cost_ratios(times)["paired_ratio"] <= high
+        assert low < 0.5 < high
+        assert nets.paired_ratio_interval(times, "ours") == (low, high)
+        widths.append(high - low)
+    assert 0 < widths[0] < widths[1]
 
 
 @pytest.mark.parametrize("settle", [0, 2])
