@@ -58,6 +58,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import statistics
 import sys
@@ -346,8 +347,6 @@ def paired_ratio_interval(times, variant, level=0.95, resamples=2000, seed=0):
     (1 + level) / 2 quantiles of those (Efron & Tibshirani, "An Introduction to the
     Bootstrap", 1993, ch. 13). A cell is judged against a bound by its interval, not
     by the ratio alone, where the norm's cost is a small part of a step."""
-    import random
-
     generator = random.Random(seed)
     turns = len(times["identity"])
     costs = {name: [v - f for v, f in zip(times[name], times["identity"])] for name in (variant, "pytorch")}
