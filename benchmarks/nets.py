@@ -322,6 +322,12 @@ def time_net(net, mode, steps, rounds, warmup, settle):
     return time_in_turn(stepper, rounds * steps, settle)
 
 
+def paired_cost(times, variant, turns):
+    """The median over `turns` (indices into time_net's step times, repeats allowed) of
+    each turn's step of `variant` less its step of the floor ("identity")."""
+    return statistics.median(times[variant][i] - times["identity"][i] for i in turns)
+
+
 def norm_cost_ratios(times):
     """The norm cost ratios (ours - identity) / (pytorch - identity), and fused's, of
     time_net's step times: "ratio" and "fused_ratio" from the variants' median steps;
@@ -331,7 +337,7 @@ def norm_cost_ratios(times):
     medians = {variant: statistics.median(t) for variant, t in times.items()}
 
     def paired(variant):
-        return statistics.median(v - f for v, f in zip(times[variant], times["identity"]))
+        return paired_cost(times, variant, range(len(times["identity"])))
 
     return {"ratio": (medians["ours"] - medians["identity"]) / (medians["pytorch"] - medians["identity"]),
             "fused_ratio": (medians["fused"] - medians["identity"]) / (medians["pytorch"] - medians["identity"]),
@@ -349,12 +355,10 @@ def paired_ratio_interval(times, variant, level=0.95, resamples=2000, seed=0):
     by the ratio alone, where the norm's cost is a small part of a step."""
     generator = random.Random(seed)
     turns = len(times["identity"])
-    costs = {name: [v - f for v, f in zip(times[name], times["identity"])] for name in (variant, "pytorch")}
     ratios = []
     for _ in range(resamples):
         draw = [generator.randrange(turns) for _ in range(turns)]
-        theirs = statistics.median(costs["pytorch"][i] for i in draw)
-        ours = statistics.median(costs[variant][i] for i in draw)
+        ours, theirs = paired_cost(times, variant, draw), paired_cost(times, "pytorch", draw)
         ratios.append(ours / theirs if theirs != 0 else math.copysign(math.inf, ours))
     ratios.sort()
     return (ratios[round((1 - level) / 2 * (resamples - 1))], ratios[round((1 + level) / 2 * (resamples - 1))])

@@ -70,7 +70,7 @@ def test_paired_ratios_cancel_a_drift_between_turns(nets):
 
 def test_paired_ratio_interval_brackets_the_cost_and_narrows_with_less_noise(nets):
     """The bootstrap interval of the paired ratio: exact where every turn has the same
-    differences; around the true ratio, and wider for noisier floors, otherwise; the
+    differences; around the true ratio otherwise, and wider for noisier steps; the
     same times give the same interval."""
     turns = 48
     cost = {"identity": 0.0, "pytorch": 0.4, "ours": 0.2, "fused": 0.1}
