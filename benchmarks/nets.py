@@ -618,7 +618,7 @@ def main():
             ratios = norm_cost_ratios(times)
             intervals = {f"paired_{variant}_interval": paired_ratio_interval(times, variant)
                          for variant in ("ours", "fused")}
-            results["steps"].append({"net": net, "mode": mode, **medians, **ratios, **intervals})
+            results["steps"].append({"net": net, "mode": mode, **medians, **ratios, **intervals, "times_ms": times})
             print(f"{net:<12} {mode:<8} {medians['pytorch']:9.2f} {medians['ours']:9.2f} {medians['fused']:9.2f} "
                   f"{medians['identity']:9.2f}  {ratios['ratio']:.2f}, {ratios['fused_ratio']:.2f}; paired: "
                   f"{ratios['paired_ratio']:.2f} [{intervals['paired_ours_interval'][0]:.2f}, "
