@@ -343,6 +343,8 @@ _ZERO_GRADIENT_OP = None if _EXT is None else torch.ops.instance_norm_cuda.zero_
 # The activation names instance_norm takes (None: no activation), as in torch.nn.functional;
 # "gelu_tanh" is F.gelu(approximate="tanh").
 ACTIVATIONS = (None, "relu", "leaky_relu", "silu", "gelu", "gelu_tanh")
+# Their list in the error messages of the functional and the modules alike.
+_ACTIVATION_CHOICES = "None, " + ", ".join(map(repr, ACTIVATIONS[1:-1])) + " or " + repr(ACTIVATIONS[-1])
 
 
 def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
@@ -409,8 +411,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     if residual is not None and not isinstance(residual, torch.Tensor):
         raise TypeError(f"instance_norm: residual must be a torch.Tensor or None, got {type(residual).__name__}")
     if activation is not None and not isinstance(activation, str):
-        raise TypeError(f"instance_norm: activation must be None or one of {ACTIVATIONS[1:]}, "
-                        f"got {type(activation).__name__}")
+        raise TypeError(f"instance_norm: activation must be {_ACTIVATION_CHOICES}, got {type(activation).__name__}")
     momentum = _real("momentum", momentum, as_torch_float=True)
     eps = _real("eps", eps, as_torch_float=True)
     return _front(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, activation,
@@ -528,8 +529,7 @@ def _check_front_arguments(input, running_mean, running_var, weight, bias, use_i
     if not use_input_stats and running_mean is None:
         raise ValueError("instance_norm: use_input_stats=False needs running_mean and running_var (got None)")
     if activation is not None and activation not in ACTIVATIONS and activation != "none":
-        raise ValueError("instance_norm: activation must be None, 'relu', 'leaky_relu', 'silu', 'gelu' or "
-                         f"'gelu_tanh', got '{activation}'")
+        raise ValueError(f"instance_norm: activation must be {_ACTIVATION_CHOICES}, got {activation!r}")
     if reflection_pad:
         spatial_dims = input.dim() - 2
         if spatial_dims > 3:
@@ -592,10 +592,10 @@ class _InstanceNorm(nn.Module):
                  device=None, dtype=None, *, bias=True, activation=None, negative_slope=0.01, reflection_pad=None):
         super().__init__()
         if activation is not None and not isinstance(activation, str):
-            raise TypeError(f"{type(self).__name__}: activation must be None or one of {ACTIVATIONS[1:]}, "
+            raise TypeError(f"{type(self).__name__}: activation must be {_ACTIVATION_CHOICES}, "
                             f"got {type(activation).__name__}")
         if activation not in ACTIVATIONS:
-            raise ValueError(f"{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+            raise ValueError(f"{type(self).__name__}: activation must be {_ACTIVATION_CHOICES}, got {activation!r}")
         self.activation = activation
         owner = type(self).__name__
         self.negative_slope = _real("negative_slope", negative_slope, owner=owner)
