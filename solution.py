@@ -771,7 +771,8 @@ def convert_instance_norm(module, fuse_activations=True, fuse_padding=True):
     nn.ReflectionPad1d/2d/3d after such a norm (or after its folded activation) is
     folded into the norm (its reflection_pad=) and replaced by nn.Identity. Returns
     the converted module (a new object only when `module` is itself a norm); what
-    was converted and fused is logged at INFO level by the logger "instance_norm".
+    was converted and fused is logged at INFO level by the logger "instance_norm":
+    each count followed by the modules' qualified names (as named_modules gives them).
     TypeError where `module` is not an nn.Module or a fuse option not a bool."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_instance_norm: module must be an nn.Module, got {type(module).__name__}")

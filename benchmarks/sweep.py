@@ -298,3 +298,8 @@ def main(bench, solution, args, flush):
     if args.plot:
         plot(results, args.plot)
     return results
+
+
+if __name__ == "__main__":
+    raise SystemExit("benchmarks/sweep.py is the grid behind `python bench.py --sweep`; run that "
+                     "(`python bench.py --help`)")
