@@ -46,6 +46,12 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
       const int i = lane + k * kWarpSize;
       d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) : 0.f;
     }
+    // The slice's weight and bias are loaded with its values, not after its
+    // statistics, which would be a second memory latency per slice; late only in the
+    // 32-value epilogue kernels, whose registers are full (hoisted there, the bf16
+    // one spilled).
+    constexpr bool kEarlyAffine = !(EPILOGUE && VALUES == 32);
+    float2 affine = kEarlyAffine ? slice_affine<T>(p, slice) : make_float2(1.f, 0.f);
     // The shift (the slice's first value) is lane 0's first load: taken from it, not
     // loaded on its own, so no load waits on another and a slice costs one memory
     // latency, which is the whole time of a problem of a few slices.
@@ -65,7 +71,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
     }
     const float rstd = shift.rstd_of_d(warp_allreduce(m2, Sum()), static_cast<float>(spatial), p.eps);
     if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
-    const float2 affine = slice_affine<T>(p, slice);
+    if constexpr (!kEarlyAffine) affine = slice_affine<T>(p, slice);
     const float scale = rstd * affine.x;
     T* slice_y = y + slice * spatial;
 #pragma unroll
@@ -166,6 +172,9 @@ __global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) /
 #pragma unroll 8
       for (int i = threadIdx.x; i < spatial; i += THREADS) slice_values[i] = __ldg(slice_x + i);
     }
+    // Issued with the slice's loads: after the reductions' barriers it would be a
+    // second memory latency per slice.
+    const float2 affine = slice_affine<T>(p, slice);
     __syncthreads();
     const SliceShift shift = SliceShift::of(S::to_float(slice_values[0]));
     float2 sums = make_float2(0.f, 0.f);  // of d and d^2
@@ -188,7 +197,6 @@ __global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) /
     }
     const float rstd = shift.rstd_of_d(m2, count, p.eps);
     if (threadIdx.x == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
-    const float2 affine = slice_affine<T>(p, slice);
     const float scale = rstd * affine.x;
     const float offset = affine.y - mean * scale;
     const auto y_of = [&](float x) { return __fmaf_rn(shift.apply(x), scale, offset); };
@@ -345,6 +353,10 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
       for (int s = static_cast<int>(threadIdx.x / V); s < spatial; s += kRowStride) {
         cp_async_16<0>(tile_base + 16u * (s * V + column), tile_x + s * pixel_vectors);
       }
+    }
+    if (threadIdx.x == 0) {  // the tile's parameters, read after its reductions
+      const int64_t first_channel = first_vector * kPer;
+      prefetch_channel_affine<T>(p, first_channel, ::min(first_channel + V * kPer, p.num_channels) - 1);
     }
     cp_async_wait_all();
     __syncthreads();
