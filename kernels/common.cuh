@@ -542,7 +542,8 @@ __device__ __forceinline__ float2 channel_affine(const ForwardProblem& p, int64_
 // Starts the weight and bias of channels first..last (inclusive) on their way into L1
 // (prefetch.global.L1: no register held while it is in flight), so a kernel that reads
 // them with channel_affine only after its reductions finds them on chip instead of
-// waiting a memory latency there.
+// waiting a memory latency there. It prefetches the lines of the first and the last
+// channel: a channels-last tile's 8 or 16 channels (at most 64 bytes of each) lie in those two.
 template <typename T>
 __device__ __forceinline__ void prefetch_channel_affine(const ForwardProblem& p, int64_t first, int64_t last) {
   const int64_t size = cuda::std::is_same_v<T, float> || p.parameter_dtype == DType::kFloat32 ? 4 : sizeof(T);
