@@ -515,6 +515,13 @@ __device__ __forceinline__ StoredPair<P> channel_parameters(const ForwardProblem
           p.bias != nullptr ? __ldg(static_cast<const P*>(p.bias) + channel) : Storage<P>::from_float(0.f)};
 }
 
+// log2 of the bytes of one weight or bias value of a forward problem on T values:
+// float32 (2) or T's 16 bits (1), per ForwardProblem::parameter_dtype.
+template <typename T>
+__device__ __forceinline__ int parameter_bytes_log2(const ForwardProblem& p) {
+  return cuda::std::is_same_v<T, float> || p.parameter_dtype == DType::kFloat32 ? 2 : 1;
+}
+
 // Per-channel affine of channel `channel` of a forward problem on T values: y = (x -
 // mean) * rstd * weight + bias (weight 1 and bias 0 where absent). The parameters are
 // float32 or T (ForwardProblem::parameter_dtype), so a float32 kernel tests nothing and
@@ -528,7 +535,7 @@ __device__ __forceinline__ float2 channel_affine(const ForwardProblem& p, int64_
     const bool float32 = p.parameter_dtype == DType::kFloat32;
     // One address for either type: two made the 16-bit warp kernels of 32 values a
     // lane spill (docs/perf-notes.md #157).
-    const int64_t offset = channel << (float32 ? 2 : 1);
+    const int64_t offset = channel << parameter_bytes_log2<T>(p);
     const auto value = [&](const void* values, float none) {
       if (values == nullptr) return none;
       const char* address = static_cast<const char*>(values) + offset;
@@ -546,12 +553,12 @@ __device__ __forceinline__ float2 channel_affine(const ForwardProblem& p, int64_
 // channel: a channels-last tile's 8 or 16 channels (at most 64 bytes of each) lie in those two.
 template <typename T>
 __device__ __forceinline__ void prefetch_channel_affine(const ForwardProblem& p, int64_t first, int64_t last) {
-  const int64_t size = cuda::std::is_same_v<T, float> || p.parameter_dtype == DType::kFloat32 ? 4 : sizeof(T);
+  const int shift = parameter_bytes_log2<T>(p);
   const auto prefetch = [&](const void* values) {
     if (values == nullptr) return;
     const char* base = static_cast<const char*>(values);
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + first * size));
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + last * size));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + (first << shift)));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + (last << shift)));
   };
   prefetch(p.weight);
   prefetch(p.bias);
