@@ -16,8 +16,9 @@ namespace instance_norm {
 // its internals in its own namespace.
 namespace forward_detail {
 
-// Warp path, for slices of at most kWarpMaxSpatial values: a warp per slice, 16
-// warps per CTA, grid-stride over slices, any alignment and GPU. Lane l holds
+// Warp path, for slices of at most kWarpMaxSpatial values: a warp per slice, up to
+// 16 warps per CTA (warp_plan: fewer where there are few slices, so they spread over
+// the SMs), grid-stride over slices, any alignment and GPU. Lane l holds
 // elements l + 32 k (k < VALUES) in registers, so the slice is read once and each
 // load instruction of a warp reads consecutive elements; many warps are resident per
 // SM, so many slices are in flight at once. The mean and then the centered M2 are
@@ -31,14 +32,18 @@ template <typename T, int VALUES, bool EPILOGUE>
 __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThreads)
     forward_warp_kernel(const ForwardProblem p) {
   using S = Storage<T>;
-  constexpr int kWarps = kWarpPathThreads / kWarpSize;
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   const int lane = threadIdx.x % kWarpSize;
   const int spatial = static_cast<int>(p.spatial);
   const int64_t num_slices = p.num_slices();
-  for (int64_t slice = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; slice < num_slices;
-       slice += static_cast<int64_t>(gridDim.x) * kWarps) {
+  // The stride is the grid's warps with 16-warp CTAs; with fewer warps per CTA the
+  // grid holds a warp for every slice (warp_plan), so each warp takes one slice and a
+  // stride at least the grid's warp count ends its loop. A stride from blockDim.x would
+  // hold a register across the loop and spill the 32-value kernels (ptxas, sm_90a).
+  // blockIdx.x * blockDim.x < 2^32: grid_for caps the grid at 2^20 CTAs.
+  for (int64_t slice = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize; slice < num_slices;
+       slice += static_cast<int64_t>(gridDim.x) * (kWarpPathThreads / kWarpSize)) {
     const T* slice_x = x + slice * spatial;
     float d[VALUES];
 #pragma unroll
@@ -863,6 +868,23 @@ bool resident_supported(TeamKind team, const ForwardProblem& p) {
 
 using Kernel = void (*)(const ForwardProblem);
 
+// The warp path's warps per CTA: 16 (kWarpPathThreads) where there are at least 16
+// slices per SM; with fewer, the least power of two that covers the slices per SM, so
+// they spread over all SMs instead of queueing on a few SMs' loads and stores (a
+// problem of a few slices takes one memory latency, not 16 slices' traffic through
+// one SM; docs/perf-notes.md #182). Below 16 warps, slices <= warps * SMs, so the grid
+// (at most one CTA per SM, under grid_for's cap) has a warp for every slice, which the
+// kernel's stride needs.
+int warp_path_warps_per_cta(int64_t num_slices) {
+  constexpr int kMaxWarps = kWarpPathThreads / kWarpSize;
+  const int sms = current_sm_count();
+  if (sms <= 0) return kMaxWarps;
+  const int64_t per_sm = ceil_div(num_slices, int64_t{sms});
+  int warps = 1;
+  while (warps < kMaxWarps && warps < per_sm) warps *= 2;
+  return warps;
+}
+
 // The warp path: the smallest variant that holds the slice (a warp of 32 x {2, 8,
 // 32} values), a warp per slice.
 ForwardPlan warp_plan(const ForwardProblem& p) {
@@ -885,8 +907,8 @@ ForwardPlan warp_plan(const ForwardProblem& p) {
     return cudaSuccess;
   });
   plan.path = ForwardPath::kWarp;
-  plan.launch = {LaunchKind::kPlain, kernel, grid_for(p.num_slices(), kWarpPathThreads / kWarpSize), kWarpPathThreads,
-                 0, 0, 0};
+  const int warps = warp_path_warps_per_cta(p.num_slices());
+  plan.launch = {LaunchKind::kPlain, kernel, grid_for(p.num_slices(), warps), warps * kWarpSize, 0, 0, 0};
   return plan;
 }
 
