@@ -548,6 +548,11 @@ __device__ __forceinline__ void normalize_store(const ForwardProblem& p, int64_t
   store_unit<T, V>(y, offset, v);
 }
 
+// Kernel 3 walks its tiles from the tensor's end: CTAs start in blockIdx order, and
+// kernel 1's last CTAs read the tensor's end, which L2 (50 MB on an H200) may still
+// hold, so the sweep's first reads come from L2 instead of HBM.
+__device__ __forceinline__ int64_t last_first(int64_t step, int64_t num_tiles) { return num_tiles - 1 - step; }
+
 // Kernel 3, contiguous: y = ((x - shift) - mean) * scale + bias with the float4 of
 // the element's slice, over the flat tensor in units of V values (one vector, or one
 // value where x, y or the slice is not vector-aligned); a unit's values share a
@@ -560,7 +565,8 @@ __global__ void __launch_bounds__(kThreads)
   const T* x = static_cast<const T*>(p.x);
   const int64_t num_units = p.num_slices() * p.spatial / V;
   const int64_t num_tiles = (num_units + kSweepTile - 1) / kSweepTile;
-  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  for (int64_t step = blockIdx.x; step < num_tiles; step += gridDim.x) {
+    const int64_t tile = last_first(step, num_tiles);
     __syncthreads();  // the previous tile's readers are done with the shared base
     if (threadIdx.x == 0) {
       const int64_t base = tile * kSweepTile;
@@ -598,8 +604,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t num_tiles = p.batch * chunks * tiling.channel_tiles;
   const int64_t round_rows = int64_t{kLoads} * tiling.row_groups;
   const int64_t row_stride = tiling.row_groups * p.num_channels;
-  for (int64_t tile_index = blockIdx.x; tile_index < num_tiles; tile_index += gridDim.x) {
-    const ChannelsLastTile tile = ChannelsLastTile::of(tiling, tile_index, chunks);
+  for (int64_t step = blockIdx.x; step < num_tiles; step += gridDim.x) {
+    const ChannelsLastTile tile = ChannelsLastTile::of(tiling, last_first(step, num_tiles), chunks);
     if (!tile.active) continue;
     float4 s[V];
 #pragma unroll
