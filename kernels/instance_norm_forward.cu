@@ -90,6 +90,72 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   }
 }
 
+// The warp path on 16-bit slices of whole 16-byte vectors at 16-byte aligned x and y
+// (vector_aligned): as forward_warp_kernel, but lane l holds the slice's vectors l +
+// 32 k (k < VECTORS) as raw bits, 4 registers a vector, so a warp's load instruction
+// reads 512 consecutive bytes where forward_warp_kernel's reads 64, and a slice takes
+// an eighth of the load and store instructions: forward_warp_kernel's 16-bit loads
+// waited on memory several times as long as its fp32 ones (docs/perf-notes.md #185).
+// The three loops over the registers are the resident kernels': the sum of d, M2
+// about the mean folded into the shift (one FMA a value), and y, the values converted
+// to float at each use.
+template <typename T, int VECTORS, bool EPILOGUE>
+__global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThreads)
+    forward_warp_vector_kernel(const ForwardProblem p) {
+  static_assert(sizeof(T) == 2, "16-bit values (fp32 takes forward_warp_kernel)");
+  using S = Storage<T>;
+  constexpr int kPer = S::kPerVector;
+  const int lane = threadIdx.x % kWarpSize;
+  const int spatial = static_cast<int>(p.spatial);
+  const int vectors = spatial / kPer;
+  // This lane's vectors of each slice: those with l + 32 k < vectors.
+  const int valid = vectors > lane ? (vectors - lane + kWarpSize - 1) / kWarpSize : 0;
+  const int64_t num_slices = p.num_slices();
+  // The stride as in forward_warp_kernel.
+  for (int64_t slice = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize; slice < num_slices;
+       slice += static_cast<int64_t>(gridDim.x) * (kWarpPathThreads / kWarpSize)) {
+    const uint4* slice_x = static_cast<const uint4*>(p.x) + slice * vectors;
+    uint4 raw[VECTORS];
+#pragma unroll
+    for (int k = 0; k < VECTORS; ++k) raw[k] = k < valid ? __ldg(slice_x + lane + k * kWarpSize) : make_uint4(0, 0, 0, 0);
+    // The weight and bias with the values, as in forward_warp_kernel.
+    constexpr bool kEarlyAffine = !(EPILOGUE && VECTORS * kPer == 32);
+    float2 affine = kEarlyAffine ? slice_affine<T>(p, slice) : make_float2(1.f, 0.f);
+    // The shift is the slice's first value, lane 0's first.
+    float first[kPer];
+    S::unpack(raw[0], first);
+    const SliceShift shift = SliceShift::of(__shfl_sync(0xffffffffu, first[0], 0));
+    float sum = 0.f;
+    for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) sum += shift.apply(v[j]);
+    });
+    const float mean = warp_allreduce(sum, Sum()) / static_cast<float>(spatial);
+    const LinearMap centered = shift.centered(mean);
+    float m2 = 0.f;
+    for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const float deviation = centered.apply(v[j]);
+        m2 += deviation * deviation;
+      }
+    });
+    const float rstd = shift.rstd_of_d(warp_allreduce(m2, Sum()), static_cast<float>(spatial), p.eps);
+    if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
+    if constexpr (!kEarlyAffine) affine = slice_affine<T>(p, slice);
+    const float scale = rstd * affine.x;
+    uint4* slice_y = static_cast<uint4*>(p.y) + slice * vectors;
+    for_each_unpacked<T>(raw, valid, [&](int k, const float(&v)[kPer]) {
+      float out[kPer];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) out[j] = centered.apply(v[j]) * scale + affine.y;
+      uint4* out_vector = slice_y + lane + k * kWarpSize;
+      if constexpr (EPILOGUE) apply_epilogue<T, kPer>(p.epilogue, p.y, reinterpret_cast<const T*>(out_vector), out);
+      *out_vector = S::pack(out);
+    });
+  }
+}
+
 // Whether M2 = S2 - S1 * mean_d from the sums S1 of d and S2 of d^2 (one sweep over
 // the slice) is as accurate as the block paths need: where the shift lies within
 // kShiftedSumsMaxShiftStds standard deviations of the slice's mean, mean_d^2 <= 4
@@ -893,8 +959,18 @@ ForwardPlan warp_plan(const ForwardProblem& p) {
   Kernel kernel = nullptr;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
+    // 16-bit slices of whole aligned vectors above 2 values a lane take the vector
+    // kernel. fp32 keeps a value per load: its warp loads already read whole 128-byte
+    // lines, and the vector kernel timed the same within 3% (docs/perf-notes.md #185).
     const auto variant = [&](auto values) -> Kernel {
       constexpr int kValues = decltype(values)::value;
+      constexpr int kVectors = kValues / Storage<T>::kPerVector;
+      if constexpr (sizeof(T) == 2 && kVectors > 0) {
+        if (vector_aligned(p)) {
+          return p.epilogue.active() ? forward_warp_vector_kernel<T, kVectors, true>
+                                     : forward_warp_vector_kernel<T, kVectors, false>;
+        }
+      }
       return p.epilogue.active() ? forward_warp_kernel<T, kValues, true> : forward_warp_kernel<T, kValues, false>;
     };
     if (p.spatial <= 2 * kWarpSize) {

@@ -90,7 +90,8 @@ def expected_paths(solution, shape, dtype):
 
 
 # Tiny slices (warp path; with 400 and 1,000 slices its CTAs have 4 and 8 warps
-# on a GPU of 132 SMs, warp_path_warps_per_cta), CTA-sized ones (block path), full and partly filled
+# on a GPU of 132 SMs, warp_path_warps_per_cta; 12 x 12: 18 whole 16-bit vectors, fewer
+# than a warp's lanes, on the 16-bit vector kernel), CTA-sized ones (block path), full and partly filled
 # clusters, one-CTA clusters, odd sizes, beyond cluster capacity in fp32 or in all
 # dtypes, slices of 172-177 KB (the block path with one CTA per SM; 301 x 301 in
 # 16-bit is not made of whole vectors), 1d and 3d, 70,016 slices (KB: 1,024 bytes);
@@ -103,7 +104,7 @@ SHAPES = [(5, 7, 7, 7), (2, 13, 16, 16), (3, 5, 32, 32), (2, 2, 2, 2), (2, 4, 64
           (2, 3, 127, 129), (4, 8, 100, 100), (3, 5, 300, 300), (2, 3, 210, 210), (2, 3, 301, 301), (2, 3, 512, 512),
           (1, 3, 724, 724), (1, 2, 1024, 1024), (1, 2, 1030, 1030), (2, 3, 1000), (2, 3, 5000), (1, 2, 80, 96, 96),
           (1, 2, 64, 64, 64), (1, 5, 128, 128, 128), (4, 9, 400, 400), (70000 // 64 + 1, 64, 4, 4), (1, 797, 100, 200),
-          (3, 64, 64, 64, 64), (2, 320, 64, 64), (4, 100, 16, 16), (8, 125, 5, 5)]
+          (3, 64, 64, 64, 64), (2, 320, 64, 64), (4, 100, 16, 16), (8, 125, 5, 5), (3, 5, 12, 12)]
 
 
 def shape_id(shape):
