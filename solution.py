@@ -492,11 +492,15 @@ def _scalar_type_name(dtype):
 
 
 def _check_channel_tensor(name, value, input):
-    """None, or a floating tensor of C elements on input's device: TypeError, ValueError otherwise."""
+    """None, or a floating tensor of C elements and at most one dimension on input's device:
+    TypeError, ValueError otherwise."""
     if value is None:
         return
     if not value.is_floating_point():
         raise TypeError(f"instance_norm: {name} must be a floating-point tensor, got {_scalar_type_name(value.dtype)}")
+    if value.dim() > 1:
+        raise ValueError(f"instance_norm: {name} must be a 1-D tensor of C = {input.shape[1]} elements, "
+                         f"got {value.dim()} dimensions")
     if value.numel() != input.shape[1]:
         raise ValueError(f"instance_norm: {name} must have C = {input.shape[1]} elements, got {value.numel()}")
     if value.device != input.device:

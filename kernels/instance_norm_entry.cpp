@@ -122,11 +122,14 @@ bool kernel_dtype(at::ScalarType dtype) {
 // ---------------------------------------------------------------------------
 
 // weight, bias, running_mean, running_var: None or a floating tensor of C elements
-// on the input's device.
+// on the input's device, of at most one dimension (PyTorch's instance_norm takes a
+// 0-d one where C = 1 and rejects more dimensions).
 void check_channel_tensor(const char* name, const std::optional<at::Tensor>& value, const at::Tensor& input) {
   if (!value.has_value()) return;
   TORCH_CHECK_TYPE(value->is_floating_point(), "instance_norm: ", name, " must be a floating-point tensor, got ",
                    value->scalar_type());
+  TORCH_CHECK_VALUE(value->dim() <= 1, "instance_norm: ", name, " must be a 1-D tensor of C = ", text(input.sym_size(1)),
+                    " elements, got ", text(value->dim()), " dimensions");
   TORCH_CHECK_VALUE(value->sym_numel() == input.sym_size(1), "instance_norm: ", name, " must have C = ",
                     text(input.sym_size(1)), " elements, got ", text(value->sym_numel()));
   TORCH_CHECK_VALUE(value->device() == input.device(), "instance_norm: ", name, " must be on the input's device ",

@@ -67,6 +67,8 @@ def test_wrong_weight_or_bias_names_it(solution, option):
     x = torch.rand(2, 3, 4, 4)
     with pytest.raises(ValueError, match=f"{option} must have C = 3 elements, got 4"):
         solution.instance_norm(x, **{option: torch.ones(4)})
+    with pytest.raises(ValueError, match=f"{option} must be a 1-D tensor of C = 3 elements, got 2 dimensions"):
+        solution.instance_norm(x, **{option: torch.ones(3, 1)})
     with pytest.raises(TypeError, match=f"{option} must be a torch.Tensor or None"):
         solution.instance_norm(x, **{option: [1.0, 1.0, 1.0]})
 

@@ -85,9 +85,12 @@ def test_eager_calls_on_fake_tensors_reach_the_fake_kernels(solution, grad):
 
 
 def test_errors_are_raised_while_tracing(solution):
-    x, weight = fake_cuda(((2, 3, 8, 8), torch.contiguous_format), ((4,), torch.contiguous_format))
+    x, weight, column = fake_cuda(((2, 3, 8, 8), torch.contiguous_format), ((4,), torch.contiguous_format),
+                                  ((3, 1), torch.contiguous_format))
     with pytest.raises(ValueError, match="weight must have C = 3 elements, got 4"):
         traced_ops(lambda x, weight: solution.instance_norm(x, weight=weight), x, weight)
+    with pytest.raises(ValueError, match="weight must be a 1-D tensor of C = 3 elements, got 2 dimensions"):
+        traced_ops(lambda x, weight: solution.instance_norm(x, weight=weight), x, column)
 
 
 def test_path_ids_and_capacities_are_exported(solution):
