@@ -128,8 +128,8 @@ void check_channel_tensor(const char* name, const std::optional<at::Tensor>& val
   if (!value.has_value()) return;
   TORCH_CHECK_TYPE(value->is_floating_point(), "instance_norm: ", name, " must be a floating-point tensor, got ",
                    value->scalar_type());
-  TORCH_CHECK_VALUE(value->dim() <= 1, "instance_norm: ", name, " must be a 1-D tensor of C = ", text(input.sym_size(1)),
-                    " elements, got ", text(value->dim()), " dimensions");
+  TORCH_CHECK_VALUE(value->dim() <= 1, "instance_norm: ", name, " must be a 1-D tensor of C = ",
+                    text(input.sym_size(1)), " elements, got ", text(value->dim()), " dimensions");
   TORCH_CHECK_VALUE(value->sym_numel() == input.sym_size(1), "instance_norm: ", name, " must have C = ",
                     text(input.sym_size(1)), " elements, got ", text(value->sym_numel()));
   TORCH_CHECK_VALUE(value->device() == input.device(), "instance_norm: ", name, " must be on the input's device ",

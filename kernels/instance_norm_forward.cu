@@ -108,7 +108,9 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   const int lane = threadIdx.x % kWarpSize;
   const int spatial = static_cast<int>(p.spatial);
   const int vectors = spatial / kPer;
-  // This lane's vectors of each slice: those with l + 32 k < vectors.
+  // This lane's vectors of each slice: those with l + 32 k < vectors (valid_count's
+  // count without its cap, which the chooser's VECTORS covers; through valid_count
+  // ptxas lays this kernel out anew, untimed: docs/perf-notes.md #185).
   const int valid = vectors > lane ? (vectors - lane + kWarpSize - 1) / kWarpSize : 0;
   const int64_t num_slices = p.num_slices();
   // The stride as in forward_warp_kernel.
@@ -117,7 +119,9 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
     const uint4* slice_x = static_cast<const uint4*>(p.x) + slice * vectors;
     uint4 raw[VECTORS];
 #pragma unroll
-    for (int k = 0; k < VECTORS; ++k) raw[k] = k < valid ? __ldg(slice_x + lane + k * kWarpSize) : make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < VECTORS; ++k) {
+      raw[k] = k < valid ? __ldg(slice_x + lane + k * kWarpSize) : make_uint4(0, 0, 0, 0);
+    }
     // The weight and bias with the values, as in forward_warp_kernel.
     constexpr bool kEarlyAffine = !(EPILOGUE && VECTORS * kPer == 32);
     float2 affine = kEarlyAffine ? slice_affine<T>(p, slice) : make_float2(1.f, 0.f);
