@@ -110,7 +110,8 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   const int vectors = spatial / kPer;
   // This lane's vectors of each slice: those with l + 32 k < vectors (valid_count's
   // count without its cap, which the chooser's VECTORS covers; through valid_count
-  // ptxas lays this kernel out anew, untimed: docs/perf-notes.md #185).
+  // ptxas lays this kernel out anew, and that code was no faster: docs/perf-notes.md
+  // #186).
   const int valid = vectors > lane ? (vectors - lane + kWarpSize - 1) / kWarpSize : 0;
   const int64_t num_slices = p.num_slices();
   // The stride as in forward_warp_kernel.
