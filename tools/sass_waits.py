@@ -7,7 +7,7 @@ ones) is compiled and disassembled as tools/sass_diff.py does. Each instruction'
 encoding carries its scheduling controls in bits 105-125 of its 128 bits (sm_70 and
 later): stall count, yield, the write and read scoreboard barriers it sets, and the
 mask of barriers it waits on (Jia et al., "Dissecting the NVIDIA Volta GPU
-Architecture via Microbenchmarking", 2018, section 2.3). A global load (LDG) sets a
+Architecture via Microbenchmarking", 2018, on control information). A global load (LDG) sets a
 write barrier that stays pending until its data arrives; an instruction that waits on
 that barrier stalls the warp until then. Where such a wait comes before a later load
 of the kernel's load phase (its instructions before the first shuffle, warp sync or
