@@ -3,17 +3,19 @@
     python tools/sass_waits.py [DIR] [--arch 90a] [--source FILE.cu ...] [-k REGEX]
 
 DIR: a kernel source folder (default kernels). Each of its .cu files (or the --source
-ones) is compiled and disassembled as tools/sass_diff.py does. Each instruction's
-encoding carries its scheduling controls in bits 105-125 of its 128 bits (sm_70 and
-later): stall count, yield, the write and read scoreboard barriers it sets, and the
-mask of barriers it waits on (Jia et al., "Dissecting the NVIDIA Volta GPU
-Architecture via Microbenchmarking", 2018, on control information). A global load (LDG) sets a
-write barrier that stays pending until its data arrives; an instruction that waits on
-that barrier stalls the warp until then. Where such a wait comes before a later load
-of the kernel's load phase (its instructions before the first shuffle, warp sync or
-block barrier; later by address, so a loop's next iteration does not count), that
-load starts a memory latency late. A 16-bit conversion placed right after its load
-was such a wait (docs/perf-notes.md #186).
+ones, names of files in DIR) is compiled and disassembled as tools/sass_diff.py does,
+so it needs nvcc ($CUDA_HOME/bin) and cuobjdump ($CUOBJDUMP, PATH or $CUDA_HOME/bin);
+-k matches mangled names. Each instruction's encoding carries its scheduling controls
+in bits 105-125 of its 128 bits (sm_70 and later): stall count, yield, the write and
+read scoreboard barriers it sets, and the mask of barriers it waits on (Jia et al.,
+"Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", 2018, on control
+information). A global load (LDG) sets a write barrier that stays pending until its
+data arrives; an instruction that waits on that barrier stalls the warp until then.
+Where such a wait comes before a later load of the kernel's load phase (its
+instructions before the first shuffle, warp sync or block barrier; later by address,
+so a loop's next iteration does not count), that load starts a memory latency late. A
+16-bit conversion placed right after its load was such a wait (docs/perf-notes.md
+#186).
 
 For each kernel whose mangled name matches -k it prints the loads of its load phase
 and each such wait: the waiting instruction's address and text, and the loads it
@@ -85,13 +87,15 @@ def main():
     sources = args.source or sorted(name for name in os.listdir(args.directory) if name.endswith(".cu"))
     for name in sources:
         if not name.endswith(".cu") or not os.path.isfile(os.path.join(args.directory, name)):
-            parser.error(f"--source {name}: no such .cu file in {args.directory}")
+            parser.error(f"--source {name}: not the name of a .cu file in {args.directory} (a name, no folder)")
     try:
         pick = re.compile(args.pattern)
     except re.error as error:
         parser.error(f"-k {args.pattern!r}: {error}")
+    sass_diff.cuobjdump()  # exits now, not after the compile, where it is missing
     with tempfile.TemporaryDirectory() as out_dir:
         for source in sources:
+            print(f"sass_waits: compiling {source} (a minute or more)", file=sys.stderr, flush=True)
             ((sass, _),) = sass_diff.compile_both((args.directory,), source, args.arch, out_dir)
             kernels = {name: code for name, code in sass.items() if pick.search(name)}
             names = sass_diff.demangle(sorted(kernels))
@@ -99,7 +103,8 @@ def main():
             for name in sorted(kernels, key=names.get):
                 code = kernels[name]
                 loads, waits = load_phase_waits(code)
-                print(f"  {names[name]}: {loads} loads in the load phase, {len(waits)} waits before a later load")
+                print(f"  {names[name]}: {loads} loads in the load phase, {len(waits)} "
+                      f"wait{'' if len(waits) == 1 else 's'} before a later load")
                 for index, text, waited in waits:
                     print(f"    {index * 16:04x} {text} waits for the loads at "
                           + ", ".join(f"{j * 16:04x}" for j in waited))
