@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
     for (int k = 0; k < VECTORS; ++k) {
       raw[k] = k < valid ? __ldg(slice_x + lane + k * kWarpSize) : make_uint4(0, 0, 0, 0);
     }
-    // The weight and bias with the values, as in forward_warp_kernel.
+    // The weight and bias with the values, as in forward_warp_kernel (for 16-bit
+    // parameters their conversions still wait for the loads: docs/perf-notes.md #186f).
     constexpr bool kEarlyAffine = !(EPILOGUE && VECTORS * kPer == 32);
     float2 affine = kEarlyAffine ? slice_affine<T>(p, slice) : make_float2(1.f, 0.f);
     // The shift is the slice's first value, lane 0's first.
@@ -248,8 +249,9 @@ __global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) /
 #pragma unroll 8
       for (int i = threadIdx.x; i < spatial; i += THREADS) slice_values[i] = __ldg(slice_x + i);
     }
-    // Issued with the slice's loads: after the reductions' barriers it would be a
-    // second memory latency per slice.
+    // Before the reductions' barriers, where it would be a further memory latency per
+    // slice; still after the wait for the slice's copies, so a second latency with
+    // affine (docs/perf-notes.md #186f).
     const float2 affine = slice_affine<T>(p, slice);
     __syncthreads();
     const SliceShift shift = SliceShift::of(S::to_float(slice_values[0]));
