@@ -522,6 +522,55 @@ __device__ __forceinline__ int parameter_bytes_log2(const ForwardProblem& p) {
   return cuda::std::is_same_v<T, float> || p.parameter_dtype == DType::kFloat32 ? 2 : 1;
 }
 
+// The weight and bias of channel `channel` of a forward problem on 16-bit T values,
+// as loaded: 32-bit words holding float32 values, or T's 16 bits in the low half
+// where ForwardProblem::parameter_dtype is T (an absent one's word is meaningless).
+// The 16-bit warp kernels of 8 values a lane and the vector kernels load them with
+// the slice's values and convert them (affine_of) after their reductions: a 16-bit
+// conversion right after its load makes the warp wait for that load before it issues
+// the next (docs/perf-notes.md #186f, #187).
+struct LoadedAffine {
+  uint32_t weight, bias;
+};
+
+template <typename T>
+__device__ __forceinline__ LoadedAffine load_channel_affine(const ForwardProblem& p, int64_t channel) {
+  static_assert(sizeof(T) == 2, "16-bit values (fp32 kernels load with channel_affine)");
+  LoadedAffine loaded{};
+  if (p.weight == nullptr && p.bias == nullptr) return loaded;
+  // Both loads in one block, without a branch between them for an absent one (which
+  // loads the other's value, replaced in affine_of): ptxas put other loads' consumers
+  // between two branches, and the second load waited there.
+  const bool float32 = p.parameter_dtype == DType::kFloat32;
+  // One address for either type: two made the 16-bit warp kernels of 32 values a
+  // lane spill (docs/perf-notes.md #157).
+  const int64_t offset = channel << parameter_bytes_log2<T>(p);
+  const char* weight = static_cast<const char*>(p.weight != nullptr ? p.weight : p.bias) + offset;
+  const char* bias = static_cast<const char*>(p.bias != nullptr ? p.bias : p.weight) + offset;
+  const auto word = [&](const char* address) -> uint32_t {
+    return float32 ? __ldg(reinterpret_cast<const unsigned*>(address))
+                   : __ldg(reinterpret_cast<const unsigned short*>(address));
+  };
+  loaded.weight = word(weight);
+  loaded.bias = word(bias);
+  return loaded;
+}
+
+// The (weight, bias) as float of a load_channel_affine<T> result (weight 1 and bias 0
+// where absent).
+template <typename T>
+__device__ __forceinline__ float2 affine_of(const ForwardProblem& p, LoadedAffine loaded) {
+  const auto value = [&](const void* values, uint32_t word, float none) {
+    if (values == nullptr) return none;
+    if (p.parameter_dtype == DType::kFloat32) return __uint_as_float(word);
+    const unsigned short bits = static_cast<unsigned short>(word);
+    T v;
+    memcpy(&v, &bits, sizeof(v));
+    return Storage<T>::to_float(v);
+  };
+  return make_float2(value(p.weight, loaded.weight, 1.f), value(p.bias, loaded.bias, 0.f));
+}
+
 // Per-channel affine of channel `channel` of a forward problem on T values: y = (x -
 // mean) * rstd * weight + bias (weight 1 and bias 0 where absent). The parameters are
 // float32 or T (ForwardProblem::parameter_dtype), so a float32 kernel tests nothing and
@@ -567,6 +616,11 @@ __device__ __forceinline__ void prefetch_channel_affine(const ForwardProblem& p,
 template <typename T>
 __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
   return channel_affine<T>(p, slice % p.num_channels);
+}
+
+template <typename T>
+__device__ __forceinline__ LoadedAffine load_slice_affine(const ForwardProblem& p, int64_t slice) {
+  return load_channel_affine<T>(p, slice % p.num_channels);
 }
 
 // ---- Fused epilogues (Epilogue in instance_norm.h) ----

@@ -26,10 +26,19 @@ namespace forward_detail {
 // scaled values (SliceShift), as on the other paths.
 constexpr int kWarpPathThreads = 512;
 
+// The CTAs per SM a warp-path kernel's registers leave room for when a lane may use
+// `registers` of them (of an SM's 65536): its __launch_bounds__ minimum, which caps
+// the registers at that. The plain kernels of one vector a lane fit 32 (4 CTAs, every
+// warp slot) and of 8 values 40 (3 CTAs): uncapped, ptxas gave the 16-bit ones 36
+// and 46, a CTA less per SM, and a problem of many such slices ran 11% slower
+// (docs/perf-notes.md #187). The others may use 64 (2 CTAs); the 16-bit 8-value
+// epilogue kernels spilled at 40.
+constexpr int warp_path_ctas(int registers) { return 65536 / (kWarpPathThreads * registers); }
+
 // EPILOGUE: compiled with the epilogue (launched for problems with one); the plain
 // kernels keep their registers (32 values a lane spilled with the epilogue's code).
 template <typename T, int VALUES, bool EPILOGUE>
-__global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThreads)
+__global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VALUES == 8 && !EPILOGUE ? 40 : 64))
     forward_warp_kernel(const ForwardProblem p) {
   using S = Storage<T>;
   const T* x = static_cast<const T*>(p.x);
@@ -45,18 +54,37 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
   for (int64_t slice = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize; slice < num_slices;
        slice += static_cast<int64_t>(gridDim.x) * (kWarpPathThreads / kWarpSize)) {
     const T* slice_x = x + slice * spatial;
-    float d[VALUES];
-#pragma unroll
-    for (int k = 0; k < VALUES; ++k) {
-      const int i = lane + k * kWarpSize;
-      d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) : 0.f;
-    }
     // The slice's weight and bias are loaded with its values, not after its
     // statistics, which would be a second memory latency per slice; late only in the
     // 32-value epilogue kernels, whose registers are full (hoisted there, the bf16
     // one spilled).
     constexpr bool kEarlyAffine = !(EPILOGUE && VALUES == 32);
-    float2 affine = kEarlyAffine ? slice_affine<T>(p, slice) : make_float2(1.f, 0.f);
+    // In the 16-bit kernels of 8 values a lane the values stay raw until every load is
+    // issued, the weight's and bias's too: a conversion right after its load waits for
+    // it there. Raw first, the 2-value kernels timed slower with affine and the
+    // 32-value ones slower in L2, and spilled on sm_80 (docs/perf-notes.md #187).
+    constexpr bool kRawFirst = sizeof(T) == 2 && VALUES == 8;
+    float d[VALUES];
+    LoadedAffine loaded{};
+    float2 affine = make_float2(1.f, 0.f);
+    if constexpr (kRawFirst) {
+      T raw[VALUES];
+#pragma unroll
+      for (int k = 0; k < VALUES; ++k) {
+        const int i = lane + k * kWarpSize;
+        raw[k] = i < spatial ? __ldg(slice_x + i) : S::from_float(0.f);
+      }
+      loaded = load_slice_affine<T>(p, slice);
+#pragma unroll
+      for (int k = 0; k < VALUES; ++k) d[k] = S::to_float(raw[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VALUES; ++k) {
+        const int i = lane + k * kWarpSize;
+        d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) : 0.f;
+      }
+      if constexpr (kEarlyAffine) affine = slice_affine<T>(p, slice);
+    }
     // The shift (the slice's first value) is lane 0's first load: taken from it, not
     // loaded on its own, so no load waits on another and a slice costs one memory
     // latency, which is the whole time of a problem of a few slices.
@@ -76,7 +104,11 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
     }
     const float rstd = shift.rstd_of_d(warp_allreduce(m2, Sum()), static_cast<float>(spatial), p.eps);
     if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
-    if constexpr (!kEarlyAffine) affine = slice_affine<T>(p, slice);
+    if constexpr (kRawFirst) {
+      affine = affine_of<T>(p, loaded);
+    } else if constexpr (!kEarlyAffine) {
+      affine = slice_affine<T>(p, slice);
+    }
     const float scale = rstd * affine.x;
     T* slice_y = y + slice * spatial;
 #pragma unroll
@@ -100,7 +132,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
 // about the mean folded into the shift (one FMA a value), and y, the values converted
 // to float at each use.
 template <typename T, int VECTORS, bool EPILOGUE>
-__global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThreads)
+__global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VECTORS == 1 && !EPILOGUE ? 32 : 64))
     forward_warp_vector_kernel(const ForwardProblem p) {
   static_assert(sizeof(T) == 2, "16-bit values (fp32 takes forward_warp_kernel)");
   using S = Storage<T>;
@@ -123,14 +155,15 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
     for (int k = 0; k < VECTORS; ++k) {
       raw[k] = k < valid ? __ldg(slice_x + lane + k * kWarpSize) : make_uint4(0, 0, 0, 0);
     }
-    // The weight and bias with the values, as in forward_warp_kernel (for 16-bit
-    // parameters their conversions still wait for the loads: docs/perf-notes.md #186f).
+    // The weight and bias with the values, as in forward_warp_kernel.
     constexpr bool kEarlyAffine = !(EPILOGUE && VECTORS * kPer == 32);
-    float2 affine = kEarlyAffine ? slice_affine<T>(p, slice) : make_float2(1.f, 0.f);
-    // The shift is the slice's first value, lane 0's first.
+    const LoadedAffine loaded = kEarlyAffine ? load_slice_affine<T>(p, slice) : LoadedAffine{};
+    // The shift is the slice's first value, lane 0's first: its word is shuffled and
+    // converted after, so no instruction waits on the slice's load before the weight
+    // and bias loads are issued.
     float first[kPer];
-    S::unpack(raw[0], first);
-    const SliceShift shift = SliceShift::of(__shfl_sync(0xffffffffu, first[0], 0));
+    S::unpack(make_uint4(__shfl_sync(0xffffffffu, raw[0].x, 0), 0, 0, 0), first);
+    const SliceShift shift = SliceShift::of(first[0]);
     float sum = 0.f;
     for_each_unpacked<T>(raw, valid, [&](int, const float(&v)[kPer]) {
 #pragma unroll
@@ -148,7 +181,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, 65536 / 64 / kWarpPathThread
     });
     const float rstd = shift.rstd_of_d(warp_allreduce(m2, Sum()), static_cast<float>(spatial), p.eps);
     if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
-    if constexpr (!kEarlyAffine) affine = slice_affine<T>(p, slice);
+    const float2 affine = kEarlyAffine ? affine_of<T>(p, loaded) : slice_affine<T>(p, slice);
     const float scale = rstd * affine.x;
     uint4* slice_y = static_cast<uint4*>(p.y) + slice * vectors;
     for_each_unpacked<T>(raw, valid, [&](int k, const float(&v)[kPer]) {
