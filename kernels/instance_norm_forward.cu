@@ -525,7 +525,8 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
     for (int k = 0; k < kPer; ++k) {
       const float rstd = shift[k].rstd_of_d(m2[k], static_cast<float>(spatial), p.eps);
       if (active && threadIdx.x < V) save_slice_stats(p, first_slice + k, shift[k].mean(mean[k]), shift[k].rstd(rstd));
-      const float2 affine = active ? slice_affine<T>(p, first_slice + k) : make_float2(1.f, 0.f);
+      // The channel itself, not first_slice % C: no 64-bit division per channel.
+      const float2 affine = active ? channel_affine<T>(p, (first_vector + column) * kPer + k) : make_float2(1.f, 0.f);
       const float scale_d = rstd * affine.x;
       offset[k] = affine.y - mean[k] * scale_d;
       scale[k] = scale_d * shift[k].scale;
@@ -712,7 +713,7 @@ __global__ void __launch_bounds__(THREADS, 1) forward_channels_last_cluster_kern
       const float rstd = channel_shift.rstd_of_d(image_m2[c], count, p.eps);
       const int64_t slice = n * channels + c;
       if (rank == 0) save_slice_stats(p, slice, channel_shift.mean(image_mean_d[c]), channel_shift.rstd(rstd));
-      const float2 affine = slice_affine<T>(p, slice);
+      const float2 affine = channel_affine<T>(p, c);  // not slice % C: no 64-bit division
       const float scale_d = rstd * affine.x;
       offsets[c] = affine.y - image_mean_d[c] * scale_d;
       scales[c] = scale_d * channel_shift.scale;
