@@ -282,9 +282,9 @@ __global__ void __launch_bounds__(THREADS, (sizeof...(Pad) == 0 ? 2048 : 1536) /
 #pragma unroll 8
       for (int i = threadIdx.x; i < spatial; i += THREADS) slice_values[i] = __ldg(slice_x + i);
     }
-    // Before the reductions' barriers, where it would be a further memory latency per
-    // slice; still after the wait for the slice's copies, so a second latency with
-    // affine (docs/perf-notes.md #186f).
+    // Loaded before the reductions' barriers (after them it would be a further memory
+    // latency per slice), but after the wait for the slice's copies: with affine, a
+    // second latency per slice (docs/perf-notes.md #186f).
     const float2 affine = slice_affine<T>(p, slice);
     __syncthreads();
     const SliceShift shift = SliceShift::of(S::to_float(slice_values[0]));
