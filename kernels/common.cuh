@@ -595,24 +595,6 @@ __device__ __forceinline__ float2 channel_affine(const ForwardProblem& p, int64_
   }
 }
 
-// Starts the weight and bias of channels first..last (inclusive) on their way into L1
-// (prefetch.global.L1: no register held while it is in flight), so a kernel that reads
-// them with channel_affine only after its reductions finds them on chip instead of
-// waiting a memory latency there. It prefetches the lines of the first and the last
-// channel: a channels-last tile's 8 or 16 channels (at most 64 bytes of each) lie in those two.
-template <typename T>
-__device__ __forceinline__ void prefetch_channel_affine(const ForwardProblem& p, int64_t first, int64_t last) {
-  const int shift = parameter_bytes_log2<T>(p);
-  const auto prefetch = [&](const void* values) {
-    if (values == nullptr) return;
-    const char* base = static_cast<const char*>(values);
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + (first << shift)));
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + (last << shift)));
-  };
-  prefetch(p.weight);
-  prefetch(p.bias);
-}
-
 template <typename T>
 __device__ __forceinline__ float2 slice_affine(const ForwardProblem& p, int64_t slice) {
   return channel_affine<T>(p, slice % p.num_channels);

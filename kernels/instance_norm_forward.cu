@@ -446,7 +446,10 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
   constexpr int kPer = S::kPerVector;
   constexpr int kRowStride = THREADS / V;  // positions a column advances per step
   static_assert(kWarpSize % V == 0, "a column's lanes are every V-th lane of a warp");
+  static_assert(V * kPer <= THREADS, "a thread per channel of the tile loads its weight and bias");
   extern __shared__ uint4 tile[];  // [spatial][V]
+  __shared__ float2 tile_affine[V * kPer];  // (weight, bias) of the tile's channels
+  const volatile float* tile_affine_words = reinterpret_cast<const volatile float*>(tile_affine);
   const int spatial = static_cast<int>(p.spatial);
   const int64_t pixel_vectors = p.num_channels / kPer;  // 16-byte vectors per position
   const int64_t tiles_per_image = (pixel_vectors + V - 1) / V;
@@ -465,9 +468,13 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
         cp_async_16<0>(tile_base + 16u * (s * V + column), tile_x + s * pixel_vectors);
       }
     }
-    if (threadIdx.x == 0) {  // the tile's parameters, read after its reductions
-      const int64_t first_channel = first_vector * kPer;
-      prefetch_channel_affine<T>(p, first_channel, ::min(first_channel + V * kPer, p.num_channels) - 1);
+    // The tile's weight and bias, one channel a thread, loaded while its copies are in
+    // flight and published by the barrier below: no global load is left after the
+    // reductions. Read there through a volatile pointer, one pair at each use: held in
+    // registers, the 16-bit kernels spilled on sm_80 (docs/perf-notes.md #188).
+    if (threadIdx.x < V * kPer) {
+      const int64_t channel = first_vector * kPer + threadIdx.x;
+      tile_affine[threadIdx.x] = channel < p.num_channels ? channel_affine<T>(p, channel) : make_float2(1.f, 0.f);
     }
     cp_async_wait_all();
     __syncthreads();
@@ -525,8 +532,8 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
     for (int k = 0; k < kPer; ++k) {
       const float rstd = shift[k].rstd_of_d(m2[k], static_cast<float>(spatial), p.eps);
       if (active && threadIdx.x < V) save_slice_stats(p, first_slice + k, shift[k].mean(mean[k]), shift[k].rstd(rstd));
-      // The channel itself, not first_slice % C: no 64-bit division per channel.
-      const float2 affine = active ? channel_affine<T>(p, (first_vector + column) * kPer + k) : make_float2(1.f, 0.f);
+      const int channel = column * kPer + k;  // of the tile
+      const float2 affine = make_float2(tile_affine_words[2 * channel], tile_affine_words[2 * channel + 1]);
       const float scale_d = rstd * affine.x;
       offset[k] = affine.y - mean[k] * scale_d;
       scale[k] = scale_d * shift[k].scale;
