@@ -46,6 +46,9 @@ __global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VALUES == 8 &
   const int lane = threadIdx.x % kWarpSize;
   const int spatial = static_cast<int>(p.spatial);
   const int64_t num_slices = p.num_slices();
+  // Taken once: without parameters no slice computes its channel (slice % C, a 64-bit
+  // division).
+  const bool has_affine = p.weight != nullptr || p.bias != nullptr;
   // The stride is the grid's warps with 16-warp CTAs; with fewer warps per CTA the
   // grid holds a warp for every slice (warp_plan), so each warp takes one slice and a
   // stride at least the grid's warp count ends its loop. A stride from blockDim.x would
@@ -74,7 +77,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VALUES == 8 &
         const int i = lane + k * kWarpSize;
         raw[k] = i < spatial ? __ldg(slice_x + i) : S::from_float(0.f);
       }
-      loaded = load_slice_affine<T>(p, slice);
+      if (has_affine) loaded = load_slice_affine<T>(p, slice);
 #pragma unroll
       for (int k = 0; k < VALUES; ++k) d[k] = S::to_float(raw[k]);
     } else {
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VALUES == 8 &
         const int i = lane + k * kWarpSize;
         d[k] = i < spatial ? S::to_float(__ldg(slice_x + i)) : 0.f;
       }
-      if constexpr (kEarlyAffine) affine = slice_affine<T>(p, slice);
+      if (kEarlyAffine && has_affine) affine = slice_affine<T>(p, slice);
     }
     // The shift (the slice's first value) is lane 0's first load: taken from it, not
     // loaded on its own, so no load waits on another and a slice costs one memory
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VALUES == 8 &
     if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
     if constexpr (kRawFirst) {
       affine = affine_of<T>(p, loaded);
-    } else if constexpr (!kEarlyAffine) {
+    } else if (!kEarlyAffine && has_affine) {
       affine = slice_affine<T>(p, slice);
     }
     const float scale = rstd * affine.x;
@@ -146,6 +149,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VECTORS == 1 
   // #186).
   const int valid = vectors > lane ? (vectors - lane + kWarpSize - 1) / kWarpSize : 0;
   const int64_t num_slices = p.num_slices();
+  const bool has_affine = p.weight != nullptr || p.bias != nullptr;  // as in forward_warp_kernel
   // The stride as in forward_warp_kernel.
   for (int64_t slice = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize; slice < num_slices;
        slice += static_cast<int64_t>(gridDim.x) * (kWarpPathThreads / kWarpSize)) {
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VECTORS == 1 
     }
     // The weight and bias with the values, as in forward_warp_kernel.
     constexpr bool kEarlyAffine = !(EPILOGUE && VECTORS * kPer == 32);
-    const LoadedAffine loaded = kEarlyAffine ? load_slice_affine<T>(p, slice) : LoadedAffine{};
+    const LoadedAffine loaded = kEarlyAffine && has_affine ? load_slice_affine<T>(p, slice) : LoadedAffine{};
     // The shift is the slice's first value, lane 0's first: its word is shuffled and
     // converted after, so no instruction waits on the slice's load before the weight
     // and bias loads are issued.
@@ -181,7 +185,9 @@ __global__ void __launch_bounds__(kWarpPathThreads, warp_path_ctas(VECTORS == 1 
     });
     const float rstd = shift.rstd_of_d(warp_allreduce(m2, Sum()), static_cast<float>(spatial), p.eps);
     if (lane == 0) save_slice_stats(p, slice, shift.mean(mean), shift.rstd(rstd));
-    const float2 affine = kEarlyAffine ? affine_of<T>(p, loaded) : slice_affine<T>(p, slice);
+    const float2 affine = kEarlyAffine    ? affine_of<T>(p, loaded)
+                          : has_affine    ? slice_affine<T>(p, slice)
+                                          : make_float2(1.f, 0.f);
     const float scale = rstd * affine.x;
     uint4* slice_y = static_cast<uint4*>(p.y) + slice * vectors;
     for_each_unpacked<T>(raw, valid, [&](int k, const float(&v)[kPer]) {
