@@ -526,9 +526,10 @@ __device__ __forceinline__ int parameter_bytes_log2(const ForwardProblem& p) {
 // as loaded: 32-bit words holding float32 values, or T's 16 bits in the low half
 // where ForwardProblem::parameter_dtype is T (an absent one's word is meaningless).
 // The 16-bit warp kernels of 8 values a lane and the vector kernels load them with
-// the slice's values and convert them (affine_of) after their reductions: a 16-bit
-// conversion right after its load makes the warp wait for that load before it issues
-// the next (docs/perf-notes.md #186f, #187).
+// the slice's values and convert them (affine_of) after their reductions, and the
+// channels-last tile kernel converts them after both loads: a 16-bit conversion right
+// after its load makes the warp wait for that load before it issues the next
+// (docs/perf-notes.md #186f, #187, #189e).
 struct LoadedAffine {
   uint32_t weight, bias;
 };

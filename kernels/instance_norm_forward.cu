@@ -480,7 +480,17 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
     // registers, the 16-bit kernels spilled on sm_80 (docs/perf-notes.md #188).
     if (threadIdx.x < V * kPer) {
       const int64_t channel = first_vector * kPer + threadIdx.x;
-      tile_affine[threadIdx.x] = channel < p.num_channels ? channel_affine<T>(p, channel) : make_float2(1.f, 0.f);
+      float2 affine = make_float2(1.f, 0.f);
+      if (channel < p.num_channels) {
+        // 16-bit: both loads issued before either conversion, which waits on its load
+        // (channel_affine converted the weight before it issued the bias's load).
+        if constexpr (sizeof(T) == 2) {
+          affine = affine_of<T>(p, load_channel_affine<T>(p, channel));
+        } else {
+          affine = channel_affine<T>(p, channel);
+        }
+      }
+      tile_affine[threadIdx.x] = affine;
     }
     cp_async_wait_all();
     __syncthreads();
