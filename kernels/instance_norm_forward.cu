@@ -483,7 +483,9 @@ __global__ void __launch_bounds__(THREADS, 1024 / THREADS) forward_block_channel
       float2 affine = make_float2(1.f, 0.f);
       if (channel < p.num_channels) {
         // 16-bit: both loads issued before either conversion, which waits on its load
-        // (channel_affine converted the weight before it issued the bias's load).
+        // (channel_affine converted the weight before it issued the bias's load). Here,
+        // not in channel_affine: in the contiguous block kernel the same form made fp32
+        // parameters on 16-bit input 7-10% slower (docs/perf-notes.md #189e, #190b).
         if constexpr (sizeof(T) == 2) {
           affine = affine_of<T>(p, load_channel_affine<T>(p, channel));
         } else {
